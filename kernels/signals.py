@@ -1,0 +1,128 @@
+"""Signal primitives: publish with release, poll with acquire, every wait bounded.
+
+Flag contract
+-------------
+* Flags are int32 words in symmetric memory. A producer publishes with
+  ``atomic_xchg(..., sem="release", scope="sys")`` (``signal_set``) or ``atomic_add``
+  (``signal_add``); a consumer polls with ``atomic_add(flag, 0, sem="acquire", scope="sys")``.
+  These atomics run both in the Triton interpreter and on the GPU.
+* A release orders only the issuing thread's earlier stores, and a tile is written by every warp
+  of the program, so ``tl.debug_barrier()`` sits before every publish and after every successful
+  poll. The interpreter runs one program at a time and cannot show this race; only a GPU test
+  with delayed producers that checks the data can.
+* Every wait is bounded. ``wait_geq`` gives up after ``budget`` (nanoseconds of ``%globaltimer``
+  when ``USE_TIMER``, else loop iterations, as in the interpreter where inline asm does not run),
+  writes one error record into the world's error buffer and returns False; the caller marks its
+  output (NaN) and leaves. The host raises ``CommTimeoutError`` lazily (``World.check``).
+* Budgets are in time on the GPU because a peer's kernel may still be JIT-compiling on the host
+  while we spin: measured on the H200, an iteration budget of 10M polls ran out before a
+  ``rank=1`` specialization finished compiling. Hence also ``do_not_specialize`` on every
+  rank-like argument of kernels that wait.
+
+Error record (int64 words, see ``moe_overlap.errors.ERR_FIELDS``): code (1 = timeout), rank,
+stage, flag index, expected, seen. The first failing wait claims the record with a CAS; later
+ones leave it alone.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def now_ns(USE_TIMER: tl.constexpr):
+    """Global nanosecond timer on the GPU; a constant 0 where inline asm cannot run."""
+    if USE_TIMER:
+        t = tl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+        )
+    else:
+        t = tl.full((), 0, tl.int64)
+    return t
+
+
+@triton.jit
+def load_acquire(flag_ptr):
+    return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+
+
+@triton.jit
+def signal_set(flag_ptr, value):
+    """Publish ``value`` after this program's earlier stores (all warps) are visible."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def signal_add(flag_ptr, value):
+    """Add ``value`` to a counter flag after this program's earlier stores are visible."""
+    tl.debug_barrier()
+    tl.atomic_add(flag_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def record_error(err_ptr, rank, stage, index, expected, seen):
+    prev = tl.atomic_cas(err_ptr, 0, 1)
+    if prev == 0:
+        tl.store(err_ptr + 1, rank.to(tl.int64))
+        tl.store(err_ptr + 2, stage.to(tl.int64))
+        tl.store(err_ptr + 3, index.to(tl.int64))
+        tl.store(err_ptr + 4, expected.to(tl.int64))
+        tl.store(err_ptr + 5, seen.to(tl.int64))
+
+
+@triton.jit
+def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: tl.constexpr):
+    """Spin until ``*flag_ptr >= target`` (acquire) or the budget runs out.
+
+    Returns a scalar bool: True when the flag arrived. On timeout an error record names
+    ``rank``, ``stage``, ``index``, ``target`` and the last value seen.
+    """
+    seen = load_acquire(flag_ptr)
+    start = now_ns(USE_TIMER)
+    spent = start * 0
+    while (seen < target) & (spent < budget):
+        seen = load_acquire(flag_ptr)
+        if USE_TIMER:
+            spent = now_ns(USE_TIMER) - start
+        else:
+            spent += 1
+    ok = seen >= target
+    if seen < target:
+        record_error(err_ptr, rank, stage, index, target, seen)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def peer_ptr(table_ptr, peer, DTYPE: tl.constexpr):
+    """Base pointer of ``peer``'s buffer from an int64 table of base addresses."""
+    return tl.load(table_ptr + peer).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit(do_not_specialize=["rank"])
+def _ready_kernel(pad_table_ptr, epoch_ptr, rank, world_size):
+    # One program: bump this rank's op epoch and publish it into slot [rank] of every peer's
+    # pad. Stream order puts this after the previous op's consumers and after the owner reset
+    # of this op's flags, so a producer that sees epoch e at its destination may write there.
+    e = tl.load(epoch_ptr) + 1
+    tl.store(epoch_ptr, e)
+    for p in range(world_size):
+        base = peer_ptr(pad_table_ptr, p, tl.int32)
+        tl.atomic_xchg(base + rank, e, sem="release", scope="sys")
+
+
+@triton.jit(do_not_specialize=["target", "rank", "index", "budget"])
+def _wait_kernel(flag_ptr, target, err_ptr, out_ptr, rank, stage, index, budget,
+                 USE_TIMER: tl.constexpr):
+    ok = wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER)
+    tl.store(out_ptr, ok.to(tl.int32))
+
+
+def publish_ready(pad_table, epoch, rank: int, world_size: int):
+    """Launch the op-start handshake (see ``_ready_kernel``)."""
+    _ready_kernel[(1,)](pad_table, epoch, rank, world_size)
+
+
+def wait_flag(flag, target, err, out, rank, stage, index, budget, use_timer):
+    """Launch one bounded wait on ``flag[0] >= target``; ``out[0]`` gets 1 on success."""
+    _wait_kernel[(1,)](flag, target, err, out, rank, stage, index, budget, USE_TIMER=use_timer)

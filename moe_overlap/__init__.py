@@ -1,0 +1,9 @@
+"""moe_overlap: MoE expert parallelism and dense tensor parallelism with communication hidden
+inside Triton GEMM kernels, at tile granularity."""
+
+from .errors import CommTimeoutError, MissingBackendError
+from .world import World, init_world, local_world
+
+__version__ = "0.1.0"
+
+__all__ = ["CommTimeoutError", "MissingBackendError", "World", "init_world", "local_world"]

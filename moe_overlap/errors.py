@@ -1,0 +1,44 @@
+"""Exceptions and the stage table that names where a bounded wait gave up."""
+
+from __future__ import annotations
+
+# Stage codes written by kernels into a world's error buffer. One table, so a record read back
+# from the device always has a name. Append only: codes are part of the device protocol.
+STAGES = {
+    1: "ready handshake (producer waits for the destination to finish its previous op)",
+    2: "toy.push_allreduce consumer",
+    3: "count exchange",
+    4: "moe layer0 dispatch (GEMM tile waits for token rows)",
+    5: "moe layer1 combine (reduction waits for expert rows)",
+    6: "tp all_gather_matmul (GEMM tile waits for a gathered chunk)",
+    7: "tp matmul_reduce_scatter (owner waits for partial tiles)",
+    8: "test: wait on a flag nobody sets",
+    9: "moe backward dispatch",
+    10: "moe backward combine",
+}
+
+# Layout of the int64 error record a kernel writes (see kernels/signals.py).
+ERR_FIELDS = ("code", "rank", "stage", "index", "expected", "seen")
+ERR_WORDS = 8
+
+
+class CommTimeoutError(RuntimeError):
+    """A bounded wait inside a fused kernel ran out of budget.
+
+    Attributes name the rank whose kernel waited, the stage, the flag index, and the values
+    expected and seen, so a stuck peer can be found without a debugger.
+    """
+
+    def __init__(self, rank: int, stage: int, index: int, expected: int, seen: int):
+        self.rank, self.stage, self.index = rank, stage, index
+        self.expected, self.seen = expected, seen
+        name = STAGES.get(stage, f"stage {stage}")
+        super().__init__(
+            f"rank {rank}: wait timed out in {name}: flag {index} expected >= {expected}, "
+            f"saw {seen}. A peer did not produce in time (crashed, hung, or launched a different "
+            f"op); raise MOE_OVERLAP_WAIT_TIMEOUT_S if the peer is merely slow (JIT compile)."
+        )
+
+
+class MissingBackendError(ImportError):
+    """A named world backend's package is not installed."""

@@ -1,0 +1,116 @@
+"""Worlds: the communicator + symmetric memory every fused op talks to (see ``base``)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..errors import MissingBackendError
+from .base import (
+    ROLE_BOTH,
+    ROLE_CONSUMER,
+    ROLE_PRODUCER,
+    SymmTensor,
+    World,
+    WorkspacePlan,
+    interpreted,
+    launch_lock,
+)
+from .emulated import EmulatedWorld
+
+_REGISTRY: dict[str, World] = {}
+
+__all__ = [
+    "ROLE_BOTH", "ROLE_CONSUMER", "ROLE_PRODUCER", "SymmTensor", "World", "WorkspacePlan",
+    "EmulatedWorld", "init_world", "local_world", "register_world", "get_world", "interpreted",
+    "launch_lock",
+]
+
+
+def register_world(world: World) -> str:
+    """Give ``world`` a name that custom ops can carry through their schema (a World is no
+    schema type). Idempotent; returns the name."""
+    if world.name is None:
+        world.name = f"{world.backend}:{id(world):x}:r{world.rank}"
+        _REGISTRY[world.name] = world
+    return world.name
+
+
+def get_world(name: str) -> World:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no world registered under {name!r}") from None
+
+
+def local_world(device=None, seed: int = 0) -> World:
+    """A single-rank world on ``device`` (default: the current CUDA device, else the CPU)."""
+    from .emulated import _Group
+
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return EmulatedWorld(_Group(1, device, "sequential", timeout=600.0), 0, seed=seed)
+
+
+def _env_world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def init_world(backend: str = "auto", group=None, seed: int = 0) -> World:
+    """Build the world for this process.
+
+    ``backend``: ``"auto"`` (torch_symm when torch.distributed is initialized on CUDA; a
+    single-rank local world when torch.distributed is not initialized and the job has one rank),
+    ``"torch_symm"``, ``"nvshmem"`` or ``"local"``. A job with several ranks that no available
+    backend can connect is an error, never a silent single-rank fallback.
+    """
+    import torch.distributed as dist
+
+    if backend not in ("auto", "torch_symm", "nvshmem", "local"):
+        raise ValueError(
+            f"backend must be 'auto', 'torch_symm', 'nvshmem' or 'local', got {backend!r} "
+            "(emulated worlds come from moe_overlap.testing.spawn)"
+        )
+    initialized = dist.is_available() and dist.is_initialized()
+    if backend == "nvshmem":
+        try:
+            import nvshmem.core  # noqa: F401
+        except ImportError as e:
+            raise MissingBackendError(
+                "the nvshmem backend needs nvshmem4py: pip install 'moe-overlap[nvshmem-cu13]' "
+                "(or [nvshmem-cu12] for CUDA 12)"
+            ) from e
+        raise NotImplementedError("the nvshmem world is not built yet (see issue: NVSHMEM world)")
+    if backend == "local":
+        return local_world(seed=seed)
+    if backend == "torch_symm" or (backend == "auto" and initialized):
+        if not initialized:
+            raise RuntimeError(
+                "backend 'torch_symm' needs torch.distributed initialized; launch with torchrun "
+                "and call torch.distributed.init_process_group('nccl') first"
+            )
+        if not torch.cuda.is_available():
+            n = dist.get_world_size(group)
+            if n == 1:
+                return local_world(device="cpu", seed=seed)
+            raise RuntimeError(
+                f"torch.distributed has {n} ranks but no CUDA device: no available backend "
+                "connects them (torch_symm needs GPUs; use testing.spawn for emulated ranks)"
+            )
+        from .torch_symm import TorchSymmWorld
+
+        return TorchSymmWorld(group=group, seed=seed)
+    n = _env_world_size()
+    if n > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={n} but torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first (refusing a silent single-rank world)"
+        )
+    return local_world(seed=seed)

@@ -1,0 +1,293 @@
+"""The World protocol: what every fused op talks to.
+
+A World is one rank's handle on a communicator group with symmetric memory:
+
+* ``rank``, ``world_size``, ``device``, ``generator`` (a per-rank ``torch.Generator``);
+* ``alloc(shape, dtype)`` -> :class:`SymmTensor` (local tensor + device int64 table of every rank's
+  base address), ``signals(n)`` -> zeroed symmetric int32 flags;
+* ``barrier()``, ``all_reduce(tensor)`` (sum, in place), ``all_gather_ints(values)``;
+* ``workspace(nbytes)`` and ``signal_pad(n)``: one symmetric scratch area and one flag area per
+  world shared by all ops, grown collectively (every rank must ask for the same size: ops derive
+  sizes from data every rank knows, such as the exchanged token counts, or from static limits);
+* ``run_fused(launch)``: runs a fused op's roles in the order this world needs (both at once on
+  real hardware; producers of every rank before any consumer when ranks are emulated);
+* ``check()``: raises :class:`CommTimeoutError` for a wait that timed out in an earlier op.
+
+Op protocol (every fused op, same on every backend):
+
+1. ``begin_op(nflags)`` zeroes the op's flags on this rank (the owner resets what it will wait
+   on), then publishes "ready for epoch e" into every peer's pad (``kernels.signals``). Producers
+   wait for their destination's ready epoch before writing into its workspace, so no buffer is
+   overwritten while its owner still reads the previous op. No host sync, CUDA-graph safe (the
+   epoch lives on the device).
+2. ``run_fused(launch)`` launches ``launch(role)``: ``ROLE_BOTH`` where ranks run concurrently,
+   else ``ROLE_PRODUCER`` on every rank, a barrier, then ``ROLE_CONSUMER``.
+3. ``end_op()`` enqueues a non-blocking copy of the error record, read lazily by the next op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ERR_WORDS, CommTimeoutError
+
+ROLE_BOTH, ROLE_PRODUCER, ROLE_CONSUMER = 0, 1, 2
+
+# Slots at the start of every signal pad hold the peers' ready epochs (one per rank).
+READY_SLOTS = 64
+MAX_WORLD = READY_SLOTS
+
+_ALIGN = 256
+
+
+def interpreted() -> bool:
+    """True when Triton kernels run in the CPU interpreter (read at import time by Triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# The Triton interpreter keeps one global grid index and patches triton.language per launch:
+# launches from several threads (emulated ranks) must not interleave.
+_LAUNCH_LOCK = threading.RLock()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def launch_lock():
+    """Context manager every host launcher wraps its Triton launches in."""
+    return _LAUNCH_LOCK if interpreted() else _NoLock()
+
+
+def default_wait_budget(device: torch.device) -> int:
+    """Wait budget: nanoseconds on the GPU, poll iterations in the interpreter.
+
+    ``MOE_OVERLAP_WAIT_TIMEOUT_S`` sets the GPU budget (default 20 s: a peer's first JIT compile
+    must fit in it). ``MOE_OVERLAP_WAIT_ITERS`` sets the interpreter budget (default 200: in the
+    emulated sequential mode every producer has finished before a consumer polls, so a wait that
+    polls more than once is already a protocol error).
+    """
+    if device.type == "cuda" and not interpreted():
+        secs = float(os.environ.get("MOE_OVERLAP_WAIT_TIMEOUT_S", "20"))
+        return int(secs * 1e9)
+    return int(os.environ.get("MOE_OVERLAP_WAIT_ITERS", "200"))
+
+
+@dataclass
+class SymmTensor:
+    """One rank's piece of a symmetric allocation.
+
+    ``local`` is this rank's tensor; ``ptrs`` is an int64 tensor ``[world_size]`` on the world's
+    device holding the base address of every rank's piece (same shape, dtype and offset).
+    """
+
+    local: torch.Tensor
+    ptrs: torch.Tensor
+
+    def view(self, offset_bytes: int, shape, dtype: torch.dtype) -> SymmTensor:
+        """A typed sub-view at the same byte offset on every rank (for workspace carving)."""
+        if offset_bytes % _ALIGN:
+            raise ValueError(f"offset_bytes must be a multiple of {_ALIGN}, got {offset_bytes}")
+        numel = math.prod(shape)
+        esize = torch.empty((), dtype=dtype).element_size()
+        raw = self.local.view(torch.uint8).reshape(-1)
+        if offset_bytes + numel * esize > raw.numel():
+            raise ValueError("view exceeds the symmetric buffer")
+        loc = raw[offset_bytes : offset_bytes + numel * esize].view(dtype).view(shape)
+        return SymmTensor(loc, self.ptrs + offset_bytes)
+
+
+class WorkspacePlan:
+    """Carves aligned regions of a workspace: ``off = plan.add(nbytes)``; ``plan.total``."""
+
+    def __init__(self):
+        self.total = 0
+
+    def add(self, shape, dtype: torch.dtype) -> int:
+        off = self.total
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self.total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        return off
+
+
+class World:
+    """Base class. Backends implement the ``_``-prefixed hooks."""
+
+    backend = "base"
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, seed: int = 0):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if world_size > MAX_WORLD:
+            raise ValueError(f"world_size {world_size} exceeds the supported {MAX_WORLD}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed * 1000003 + rank)
+        self.wait_budget = default_wait_budget(self.device)
+        self.use_timer = self.device.type == "cuda" and not interpreted()
+        self.debug = os.environ.get("MOE_OVERLAP_DEBUG", "0") == "1"
+        self._err = torch.zeros(ERR_WORDS, dtype=torch.int64, device=self.device)
+        self._err_host = None
+        self._err_event = None
+        self._epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._ws: SymmTensor | None = None
+        self._pad: SymmTensor | None = None
+        self.name: str | None = None
+
+    # ----------------------------------------------------------------- backend hooks
+    def _alloc_symmetric(self, nbytes: int) -> SymmTensor:  # collective
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather_ints(self, values) -> list[list[int]]:
+        """Host-side all-gather of a short list of ints: result[r] is rank r's list."""
+        raise NotImplementedError
+
+    @property
+    def concurrent(self) -> bool:
+        """True when every rank's kernels run at the same time (ROLE_BOTH launches)."""
+        return True
+
+    # ----------------------------------------------------------------- memory
+    def alloc(self, shape, dtype: torch.dtype) -> SymmTensor:
+        """Collective: a new symmetric tensor (uninitialized) of ``shape`` and ``dtype``."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape must be non-negative, got {shape}")
+        esize = torch.empty((), dtype=dtype).element_size()
+        nbytes = max(math.prod(shape) * esize, _ALIGN)
+        raw = self._alloc_symmetric(nbytes)
+        return raw.view(0, shape, dtype)
+
+    def signals(self, n: int) -> SymmTensor:
+        """Collective: ``n`` zeroed symmetric int32 flags."""
+        s = self.alloc((n,), torch.int32)
+        s.local.zero_()
+        self.barrier()
+        return s
+
+    def workspace(self, nbytes: int) -> SymmTensor:
+        """The world's shared symmetric scratch area, at least ``nbytes`` long.
+
+        Collective when it grows: every rank must pass the same ``nbytes`` (ops compute it from
+        data every rank knows). Growth rounds up to 1.5x, so a growing workload re-allocates
+        rarely; previous views become invalid, so ops fetch the workspace on every call.
+        """
+        nbytes = int(nbytes)
+        if self._ws is None or self._ws.local.numel() < nbytes:
+            old = 0 if self._ws is None else self._ws.local.numel()
+            size = max(nbytes, int(old * 1.5), 1 << 20)
+            size = (size + (1 << 20) - 1) >> 20 << 20
+            self._ws = None
+            self._ws = self._alloc_symmetric(size)
+        return self._ws
+
+    def signal_pad(self, n: int) -> SymmTensor:
+        """The world's flag area: ``READY_SLOTS`` ready words, then at least ``n`` op flags."""
+        need = READY_SLOTS + int(n)
+        if self._pad is None or self._pad.local.numel() // 4 < need:
+            old = 0 if self._pad is None else self._pad.local.numel() // 4
+            words = max(need, int(old * 1.5), 4096)
+            pad = self._alloc_symmetric(words * 4)
+            # The ready epochs must survive growth: peers compare against our epoch counter.
+            pad.local.zero_()
+            if self._pad is not None:
+                pad.local[: self._pad.local.numel()].copy_(self._pad.local)
+            self._pad = pad
+            self.barrier()
+        return self._pad.view(0, (self._pad.local.numel() // 4,), torch.int32)
+
+    # ----------------------------------------------------------------- op protocol
+    def begin_op(self, nflags: int) -> SymmTensor:
+        """Reset this op's flags, publish readiness; returns the op flags (after ready slots)."""
+        from ..kernels import signals as sig
+
+        self._poll_errors()
+        pad = self.signal_pad(nflags)
+        flags = pad.view(READY_SLOTS * 4, (max(nflags, 1),), torch.int32)
+        flags.local.zero_()
+        with launch_lock():
+            sig.publish_ready(pad.ptrs, self._epoch, self.rank, self.world_size)
+        return flags
+
+    def ready_args(self):
+        """(pad base pointer, epoch tensor) that producers pass to their ready waits."""
+        return self._pad.local.view(torch.int32), self._epoch
+
+    def run_fused(self, launch) -> None:
+        """Run ``launch(role)`` for this world: both roles at once, or phased when emulated."""
+        if self.concurrent:
+            with launch_lock():
+                launch(ROLE_BOTH)
+        else:
+            self.barrier()  # every rank's ready epoch is published
+            with launch_lock():
+                launch(ROLE_PRODUCER)
+            self.barrier()  # every rank's producers have finished
+            with launch_lock():
+                launch(ROLE_CONSUMER)
+
+    def end_op(self) -> None:
+        if self.debug or self.device.type != "cuda":
+            # On the CPU everything already ran: checking costs nothing.
+            self.check()
+            return
+        if self.device.type == "cuda":
+            if self._err_host is None:
+                self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=True)
+                self._err_event = torch.cuda.Event()
+            self._err_host.copy_(self._err, non_blocking=True)
+            self._err_event.record()
+
+    def _poll_errors(self) -> None:
+        """Raise for an error recorded by an earlier op if its copy has landed (no sync)."""
+        if self.device.type != "cuda":
+            if int(self._err[0]) != 0:
+                self._raise()
+            return
+        if self._err_event is not None and self._err_event.query():
+            if int(self._err_host[0]) != 0:
+                self._raise()
+
+    def check(self) -> None:
+        """Synchronize and raise :class:`CommTimeoutError` if any wait of this rank timed out."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        if int(self._err[0]) != 0:
+            self._raise()
+
+    def _raise(self):
+        rec = self._err.cpu().tolist()
+        self._err.zero_()
+        if self._err_host is not None:
+            self._err_host.zero_()
+        raise CommTimeoutError(rank=rec[1], stage=rec[2], index=rec[3], expected=rec[4],
+                               seen=rec[5])
+
+    @property
+    def error_buffer(self) -> torch.Tensor:
+        return self._err
+
+    def __repr__(self):
+        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device})")

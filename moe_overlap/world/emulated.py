@@ -1,0 +1,114 @@
+"""Emulated world: W virtual ranks in one process (threads), on the CPU or on one GPU.
+
+Peers are ordinary tensors; pointer tables hold their ``data_ptr()``s, so the *same kernels*
+run as on real symmetric memory.
+
+Modes
+-----
+* ``sequential`` (CPU always; GPU default): ``run_fused`` launches the producer role of every
+  rank, a barrier, then the consumer role. No launch ever waits on a launch that has not
+  completed, so the interpreter (one program at a time, launches serialized by a lock) and a
+  single stream cannot deadlock. On the GPU every rank enqueues on the same stream, so device
+  order is host order and host barriers order device work.
+* ``concurrent`` (GPU only): each rank has its own stream and launches both roles at once, so
+  waits really wait on another stream's producers. Grids must be co-resident (ops size them from
+  ``world.max_programs``). This is the race detector available without several GPUs. It is also
+  the mode for emulated *backward* on the GPU: autograd runs every CUDA backward node of every
+  thread on one device worker thread, so a host barrier inside a backward node can never be met
+  (measured on the H200: two threads, a ``threading.Barrier`` in a custom backward, broke only on
+  its timeout). In concurrent mode no op blocks on the host.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .base import SymmTensor, World
+
+
+class _Group:
+    """State shared by the virtual ranks of one emulated world."""
+
+    def __init__(self, world_size: int, device: torch.device, mode: str, timeout: float):
+        self.world_size = world_size
+        self.device = device
+        self.mode = mode
+        self.timeout = timeout
+        self.barrier = threading.Barrier(world_size, timeout=timeout)
+        self.slots = [None] * world_size
+        self.streams = None
+        if device.type == "cuda" and mode == "concurrent":
+            self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
+
+
+class EmulatedWorld(World):
+    backend = "emulated"
+
+    def __init__(self, group: _Group, rank: int, seed: int = 0):
+        super().__init__(rank, group.world_size, group.device, seed=seed)
+        self._group = group
+        # Programs one rank's fused kernel may use so that every rank's grid is co-resident.
+        if self.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self.max_programs = max(1, sms // group.world_size)
+        else:
+            self.max_programs = 1 << 30
+
+    @property
+    def concurrent(self) -> bool:
+        return self._group.mode == "concurrent"
+
+    @property
+    def stream(self):
+        if self._group.streams is None:
+            return None
+        return self._group.streams[self.rank]
+
+    # ------------------------------------------------------------- host collectives
+    def _sync_device(self):
+        if self.device.type == "cuda" and self.concurrent:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def barrier(self) -> None:
+        self._sync_device()
+        self._group.barrier.wait()
+
+    def _exchange(self, obj):
+        g = self._group
+        g.slots[self.rank] = obj
+        self.barrier()
+        out = list(g.slots)
+        g.barrier.wait()
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError("all_reduce takes a tensor")
+        parts = self._exchange(tensor.detach().clone())
+        total = parts[0].clone()
+        for p in parts[1:]:  # rank order: every rank gets bitwise the same sum
+            total += p.to(total.device)
+        self.barrier()
+        tensor.copy_(total)
+        return tensor
+
+    def all_gather_ints(self, values) -> list[list[int]]:
+        vals = [int(v) for v in values]
+        return [list(v) for v in self._exchange(vals)]
+
+    def all_gather_tensor(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensor (copies), in rank order. For tests and small metadata."""
+        parts = self._exchange(tensor.detach().clone())
+        out = [p.clone() for p in parts]
+        self.barrier()
+        return out
+
+    # ------------------------------------------------------------- memory
+    def _alloc_symmetric(self, nbytes: int) -> SymmTensor:
+        local = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        ptrs = self._exchange(local.data_ptr())
+        table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
+        # Keep peers' tensors alive for as long as this rank holds its table.
+        return SymmTensor(local, table)

@@ -1,0 +1,58 @@
+"""World on PyTorch SymmetricMemory: one node, NVLink peer-to-peer, one process per GPU.
+
+Symmetric buffers come from ``torch.distributed._symmetric_memory.empty`` + ``rendezvous`` over
+the world's process group; ``handle.buffer_ptrs`` becomes the int64 peer table every kernel
+takes. Works at world_size 1 on one GPU (checked on the H200), and at N GPUs under torchrun.
+Host collectives (barrier, all_reduce, all_gather_ints) go through the group's NCCL backend.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .base import SymmTensor, World
+
+
+class TorchSymmWorld(World):
+    backend = "torch_symm"
+
+    def __init__(self, group=None, seed: int = 0):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "the torch_symm world needs torch.distributed initialized "
+                "(dist.init_process_group('nccl') under torchrun)"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError("the torch_symm world needs CUDA GPUs")
+        self.group = group if group is not None else dist.group.WORLD
+        rank = dist.get_rank(self.group)
+        world_size = dist.get_world_size(self.group)
+        device = torch.device("cuda", torch.cuda.current_device())
+        super().__init__(rank, world_size, device, seed=seed)
+        self.max_programs = torch.cuda.get_device_properties(device).multi_processor_count
+        self._keep = []  # symmetric allocations stay alive for the world's lifetime
+        from torch.distributed import _symmetric_memory as symm
+
+        self._symm = symm
+        self._group_name = self.group.group_name
+
+    def _alloc_symmetric(self, nbytes: int) -> SymmTensor:
+        t = self._symm.empty(nbytes, dtype=torch.uint8, device=self.device)
+        handle = self._symm.rendezvous(t, self._group_name)
+        table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        self._keep.append((t, handle))
+        return SymmTensor(t, table)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather_ints(self, values) -> list[list[int]]:
+        vals = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size, vals.numel(), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(out, vals, group=self.group)
+        return out.cpu().tolist()
