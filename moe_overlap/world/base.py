@@ -161,6 +161,12 @@ class World:
         """Host-side all-gather of a short list of ints: result[r] is rank r's list."""
         raise NotImplementedError
 
+    def all_to_all(self, send: list) -> list:
+        """Host-driven tensor all-to-all (baselines, not the fused path): ``send[d]`` goes to
+        rank d; returns ``recv`` with ``recv[s]`` from rank s. Dim 0 may differ per pair; the
+        other dims and the dtype must agree. Not differentiable by itself."""
+        raise NotImplementedError
+
     @property
     def concurrent(self) -> bool:
         """True when every rank's kernels run at the same time (ROLE_BOTH launches)."""

@@ -105,6 +105,14 @@ class EmulatedWorld(World):
         self.barrier()
         return out
 
+    def all_to_all(self, send: list) -> list:
+        if len(send) != self.world_size:
+            raise ValueError(f"all_to_all needs {self.world_size} tensors, got {len(send)}")
+        table = self._exchange([t.detach().clone() for t in send])
+        recv = [table[s][self.rank].clone() for s in range(self.world_size)]
+        self.barrier()
+        return recv
+
     # ------------------------------------------------------------- memory
     def _alloc_symmetric(self, nbytes: int) -> SymmTensor:
         local = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
