@@ -2,8 +2,9 @@
 inside Triton GEMM kernels, at tile granularity."""
 
 from .errors import CommTimeoutError, MissingBackendError
+from .experts.fused import fused_experts
 from .world import World, init_world, local_world
 
 __version__ = "0.1.0"
 
-__all__ = ["CommTimeoutError", "MissingBackendError", "World", "init_world", "local_world"]
+__all__ = ["CommTimeoutError", "fused_experts", "MissingBackendError", "World", "init_world", "local_world"]

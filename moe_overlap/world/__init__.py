@@ -23,7 +23,7 @@ _REGISTRY: dict[str, World] = {}
 
 __all__ = [
     "ROLE_BOTH", "ROLE_CONSUMER", "ROLE_PRODUCER", "SymmTensor", "World", "WorkspacePlan",
-    "EmulatedWorld", "init_world", "local_world", "register_world", "get_world", "interpreted",
+    "EmulatedWorld", "default_world", "init_world", "local_world", "register_world", "get_world", "interpreted",
     "launch_lock",
 ]
 
@@ -54,6 +54,17 @@ def local_world(device=None, seed: int = 0) -> World:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return EmulatedWorld(_Group(1, device, "sequential", timeout=600.0), 0, seed=seed)
+
+
+_DEFAULT: World | None = None
+
+
+def default_world() -> World:
+    """The process's world, built once by ``init_world()`` on first use."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = init_world()
+    return _DEFAULT
 
 
 def _env_world_size() -> int:

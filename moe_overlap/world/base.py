@@ -240,11 +240,19 @@ class World:
         """(pad base pointer, epoch tensor) that producers pass to their ready waits."""
         return self._pad.local.view(torch.int32), self._epoch
 
-    def run_fused(self, launch) -> None:
-        """Run ``launch(role)`` for this world: both roles at once, or phased when emulated."""
+    def run_fused(self, launch, split: bool = False) -> None:
+        """Run ``launch(role)`` for this world: both roles at once, or phased when emulated.
+
+        ``split``: the op's consumer is a separate kernel issued after the producer on the same
+        stream (e.g. the combine's reduction); concurrent worlds launch both without a barrier.
+        """
         if self.concurrent:
             with launch_lock():
-                launch(ROLE_BOTH)
+                if split:
+                    launch(ROLE_PRODUCER)
+                    launch(ROLE_CONSUMER)
+                else:
+                    launch(ROLE_BOTH)
         else:
             self.barrier()  # every rank's ready epoch is published
             with launch_lock():

@@ -1,0 +1,190 @@
+"""MoE layer 0: token dispatch folded into the prologue of the expert grouped GEMM.
+
+One launch holds two roles (``ROLE`` 0 = both, 1 = producers only, 2 = consumers only):
+
+*Communication programs* (the first ``n_comm`` program ids, so the hardware schedules them
+first) walk this rank's remote chunks (``layout.chunks``: at most CHUNK rows, never crossing a
+(destination, expert) slice). For each chunk: wait the destination's ready epoch, gather the
+token rows of x (optionally scaled per assignment: the backward of the combine dispatches
+``dy * w``), store them into the destination's receive buffer at their final GEMM row, store
+their slots, then ``signal_add(flag[src * El + l], rows)`` on the destination.
+
+*GEMM programs* are persistent over M x N tiles (grouped ordering for L2 reuse). An M-tile lies
+inside one local expert (experts are padded to BLOCK_M). Before loading A it waits, for each
+source s whose slice overlaps the tile, until ``flag[s * El + l] >= rows the source sends``:
+a counter, so the chunking on the source side does not matter. Rows of this rank's own tokens
+are read straight from x through ``row_tok`` (no permute copy, no wait), and each expert's
+sources are ordered starting with this rank, so the first tiles of an expert need no wait.
+Epilogue: bias, activation (SwiGLU: gate rows [0, F), up rows [F, 2F) of w1; or GELU/ReLU/
+SiLU/identity), an optional per-row scale, and optionally the pre-activations for backward.
+
+Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
+the ready epoch is published: so a producer can only write into a receive buffer whose owner
+has finished the previous op. Stage codes: 1 (ready), 4 (dispatch). A timed-out tile is
+written as NaN and the error record names the flag (``src * El + l``).
+
+Measured: see BENCHMARKS.md (the W=1 path is a gather-prologue grouped GEMM).
+"""
+
+import triton
+import triton.language as tl
+
+from .signals import peer_ptr, signal_add, wait_geq
+
+STAGE_READY = 1
+STAGE_DISPATCH = 4
+
+ACT_SWIGLU, ACT_GELU, ACT_RELU, ACT_SILU, ACT_NONE = 0, 1, 2, 3, 4
+ACT_CODES = {"swiglu": 0, "gelu": 1, "relu": 2, "silu": 3, "none": 4}
+
+
+@triton.jit
+def apply_act(v, ACT: tl.constexpr):
+    if ACT == 1:
+        v = 0.5 * v * (1.0 + tl.math.erf(v * 0.7071067811865476))
+    elif ACT == 2:
+        v = tl.maximum(v, 0.0)
+    elif ACT == 3:
+        v = v * tl.sigmoid(v)
+    return v
+
+
+@triton.jit
+def tile_coords(t, n_m, n_n, GROUP_M: tl.constexpr):
+    """Grouped (L2-friendly) order: GROUP_M M-tiles sweep all N-tiles together."""
+    group = GROUP_M * n_n
+    first_m = (t // group) * GROUP_M
+    gsize = tl.minimum(n_m - first_m, GROUP_M)
+    mt = first_m + (t % group) % gsize
+    nt = (t % group) // gsize
+    return mt, nt
+
+
+@triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
+def _layer0_kernel(
+    x_ptr, scale_ptr, sorted_ptr, chunk_ptr, n_chunks_ptr,
+    recv_table, slot_table, flag_table, pad_local, epoch_ptr,
+    recv_local, row_tok_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, slice_off_ptr, slice_cnt_ptr,
+    flags_local, row_scale_ptr,
+    w_ptr, b_ptr, out_ptr, gu_ptr,
+    err_ptr, rank, budget, n_comm,
+    H, N, K_top, stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_om, stride_gm,
+    W: tl.constexpr, El: tl.constexpr, ROLE: tl.constexpr, ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SAVE_GU: tl.constexpr, HAS_SCALE: tl.constexpr,
+    ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr,
+    GROUP_M: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype = x_ptr.dtype.element_ty
+    is_comm = (ROLE == 1) | ((ROLE == 0) & (pid < n_comm))
+    if is_comm:
+        epoch = tl.load(epoch_ptr)
+        nch = tl.load(n_chunks_ptr)
+        stride_p = n_comm
+        if ROLE == 1:
+            stride_p = nprog
+        for c in range(pid, nch, stride_p):
+            dst = tl.load(chunk_ptr + c * 5 + 0)
+            j0 = tl.load(chunk_ptr + c * 5 + 1)
+            n = tl.load(chunk_ptr + c * 5 + 2)
+            row0 = tl.load(chunk_ptr + c * 5 + 3)
+            fl = tl.load(chunk_ptr + c * 5 + 4)
+            ok = wait_geq(pad_local + dst, epoch, err_ptr, rank, STAGE_READY, dst, budget,
+                          USE_TIMER)
+            if ok:
+                ri = tl.arange(0, CH)
+                m = ri < n
+                a = tl.load(sorted_ptr + j0 + ri, mask=m, other=0)
+                tok = (a // K_top).to(tl.int64)
+                recv_d = peer_ptr(recv_table, dst, dtype)
+                drow = (row0 + ri).to(tl.int64)
+                if HAS_SCALE:
+                    sc = tl.load(scale_ptr + a, mask=m, other=0.0).to(tl.float32)
+                for h0 in range(0, H, BH):
+                    cols = h0 + tl.arange(0, BH)
+                    mk = m[:, None] & (cols[None, :] < H)
+                    v = tl.load(x_ptr + tok[:, None] * stride_xt + cols[None, :], mask=mk)
+                    if HAS_SCALE:
+                        v = (v.to(tl.float32) * sc[:, None]).to(dtype)
+                    tl.store(recv_d + drow[:, None] * H + cols[None, :], v, mask=mk)
+                slot_d = peer_ptr(slot_table, dst, tl.int32)
+                tl.store(slot_d + drow, j0 + ri, mask=m)
+                signal_add(peer_ptr(flag_table, dst, tl.int32) + fl, n)
+    else:
+        cpid = pid
+        cprog = nprog
+        if ROLE == 0:
+            cpid = pid - n_comm
+            cprog = nprog - n_comm
+        n_m = tl.load(n_tiles_ptr)
+        n_n = tl.cdiv(N, BN)
+        total = n_m * n_n
+        for t in range(cpid, total, cprog):
+            mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
+            r0 = mt * BM
+            le = tl.load(row_l_ptr + r0)
+            end = tl.load(exp_end_ptr + le)
+            rows = r0 + tl.arange(0, BM)
+            rmask = rows < end
+            nbad = tl.zeros((), tl.int32)
+            if W > 1:
+                for s in range(W):
+                    off = tl.load(slice_off_ptr + s * El + le)
+                    cnt = tl.load(slice_cnt_ptr + s * El + le)
+                    need = (s != rank) & (cnt > 0) & (off < r0 + BM) & (off + cnt > r0)
+                    if need:
+                        ok = wait_geq(flags_local + s * El + le, cnt, err_ptr, rank,
+                                      STAGE_DISPATCH, s * El + le, budget, USE_TIMER)
+                        nbad += tl.where(ok, 0, 1)
+            tok = tl.load(row_tok_ptr + rows, mask=rmask, other=-2)
+            a_row = tl.where(tok >= 0, x_ptr + tok.to(tl.int64) * stride_xt,
+                             recv_local + rows.to(tl.int64) * H)
+            cols = nt * BN + tl.arange(0, BN)
+            cmask = cols < N
+            w_base = w_ptr + le.to(tl.int64) * stride_we
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if ACT == 0:
+                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                ks = k0 + tl.arange(0, BK)
+                if EVEN_K:
+                    a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
+                    bm = cmask[None, :]
+                else:
+                    a = tl.load(a_row[:, None] + ks[None, :],
+                                mask=rmask[:, None] & (ks[None, :] < H), other=0.0)
+                    bm = cmask[None, :] & (ks[:, None] < H)
+                b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                            mask=bm, other=0.0)
+                acc = tl.dot(a, b, acc)
+                if ACT == 0:
+                    bu = tl.load(w_base + (cols[None, :] + N) * stride_wn + ks[:, None] * stride_wk,
+                                 mask=bm, other=0.0)
+                    acc_u = tl.dot(a, bu, acc_u)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + le * stride_be + cols, mask=cmask, other=0.0)
+                acc += bias.to(tl.float32)[None, :]
+                if ACT == 0:
+                    bias_u = tl.load(b_ptr + le * stride_be + N + cols, mask=cmask, other=0.0)
+                    acc_u += bias_u.to(tl.float32)[None, :]
+            omask = rmask[:, None] & cmask[None, :]
+            rows64 = rows.to(tl.int64)
+            if SAVE_GU:
+                tl.store(gu_ptr + rows64[:, None] * stride_gm + cols[None, :],
+                         acc.to(gu_ptr.dtype.element_ty), mask=omask)
+                if ACT == 0:
+                    tl.store(gu_ptr + rows64[:, None] * stride_gm + N + cols[None, :],
+                             acc_u.to(gu_ptr.dtype.element_ty), mask=omask)
+            if ACT == 0:
+                h = acc * tl.sigmoid(acc) * acc_u
+            else:
+                h = apply_act(acc, ACT)
+            if ROW_SCALE:
+                rs = tl.load(row_scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+                h = h * rs[:, None]
+            if nbad > 0:
+                h = tl.full((BM, BN), float("nan"), tl.float32)
+            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :],
+                     h.to(out_ptr.dtype.element_ty), mask=omask)

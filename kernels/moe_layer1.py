@@ -1,0 +1,142 @@
+"""MoE layer 1: expert grouped GEMM with the combine folded into its epilogue.
+
+Two launches on the same stream (``World.run_fused(..., split=True)``):
+
+*GEMM + scatter* (producer role): persistent grouped GEMM over this rank's receive layout
+(same rows and BLOCK_M as layer 0). The epilogue adds the bias and stores every output row
+straight into its *source* rank's combine buffer at the row's slot (a remote store through the
+peer table; a local store for this rank's own tokens), then adds the number of rows it sent to
+each source to that source's counter ``done[n_tile]`` (``signal_add``: the release covers the
+whole tile thanks to the CTA barrier in front of it). Counters are per output column block, so
+a source's reduction of a column block may start as soon as every expert finished that block.
+Before its first remote store every program waits the destination ranks' ready epochs.
+
+*Weighted reduction* (consumer role) on the source rank: tiles of tokens x columns wait until
+``done[n_tile] >= kept assignments of this rank`` (known locally), then sum the K expert rows of
+each token in k order with their weights, in fp32. No float atomics anywhere: the same inputs
+give bitwise-identical outputs run after run. Dropped assignments (slot -1) contribute zero and
+are never read. Optionally the rows are also saved (``o``) for the weights' gradient.
+
+Why the reduction is a second launch rather than persistent consumer programs in the GEMM's
+grid: its wait spans the whole GEMM (every expert contributes to every column), so resident
+consumer programs would idle SMs the GEMM needs; issued second on the stream it costs one
+launch and overlaps the peers' tail instead. The overlap of the combine's *traffic* with the
+GEMM comes from the epilogue's remote stores. Stage codes: 1 (ready), 5 (combine).
+"""
+
+import triton
+import triton.language as tl
+
+from .moe_layer0 import tile_coords
+from .signals import signal_add, wait_geq
+
+STAGE_READY = 1
+STAGE_COMBINE = 5
+
+
+@triton.jit(do_not_specialize=["rank", "budget"])
+def _layer1_gemm_kernel(
+    h_ptr, w_ptr, b_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, row_src_ptr, row_slot_ptr,
+    comb_local, comb_table, done_table, pad_local, epoch_ptr, err_ptr, rank, budget,
+    F, H, stride_hm, stride_we, stride_wn, stride_wk, stride_be,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ES: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    dtype = comb_local.dtype.element_ty
+    nbad = tl.zeros((), tl.int32)
+    if W > 1:
+        epoch = tl.load(epoch_ptr)
+        for d in range(W):
+            ok = wait_geq(pad_local + d, epoch, err_ptr, rank, STAGE_READY, d, budget, USE_TIMER)
+            nbad += tl.where(ok, 0, 1)
+    n_m = tl.load(n_tiles_ptr)
+    n_n = tl.cdiv(H, BN)
+    total = n_m * n_n
+    for t in range(pid, total, nprog):
+        mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
+        r0 = mt * BM
+        le = tl.load(row_l_ptr + r0)
+        end = tl.load(exp_end_ptr + le)
+        rows = r0 + tl.arange(0, BM)
+        rmask = rows < end
+        cols = nt * BN + tl.arange(0, BN)
+        cmask = cols < H
+        a_row = h_ptr + rows.to(tl.int64) * stride_hm
+        w_base = w_ptr + le.to(tl.int64) * stride_we
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, F, BK):
+            ks = k0 + tl.arange(0, BK)
+            if EVEN_K:
+                a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
+                bm = cmask[None, :]
+            else:
+                a = tl.load(a_row[:, None] + ks[None, :],
+                            mask=rmask[:, None] & (ks[None, :] < F), other=0.0)
+                bm = cmask[None, :] & (ks[:, None] < F)
+            b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
+                        mask=bm, other=0.0)
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + le * stride_be + cols, mask=cmask, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        slot = tl.load(row_slot_ptr + rows, mask=rmask, other=0).to(tl.int64)
+        omask = rmask[:, None] & cmask[None, :]
+        val = acc.to(dtype)
+        if W == 1:
+            tl.store(comb_local + slot[:, None] * H + cols[None, :], val, mask=omask)
+        else:
+            src = tl.load(row_src_ptr + rows, mask=rmask, other=0)
+            if nbad == 0:
+                base = tl.load(comb_table + src, mask=rmask, other=0)
+                addr = base[:, None] + (slot[:, None] * H + cols[None, :]) * ES
+                tl.store(addr.to(tl.pointer_type(dtype)), val, mask=omask)
+                for s in range(W):
+                    ns = tl.sum(tl.where(rmask & (src == s), 1, 0))
+                    if ns > 0:
+                        signal_add(tl.load(done_table + s).to(tl.pointer_type(tl.int32)) + nt, ns)
+
+
+@triton.jit(do_not_specialize=["rank", "budget"])
+def _combine_kernel(
+    comb_local, slot_of_ptr, wts_ptr, y_ptr, o_ptr, done_local, n_kept_ptr, err_ptr, rank,
+    budget, T, H, K_top, stride_ym,
+    W: tl.constexpr, HAS_W: tl.constexpr, SAVE_O: tl.constexpr,
+    BT: tl.constexpr, BN: tl.constexpr, USE_TIMER: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    n_n = tl.cdiv(H, BN)
+    total = tl.cdiv(T, BT) * n_n
+    need = tl.load(n_kept_ptr)
+    for t in range(pid, total, nprog):
+        tt = t // n_n
+        nt = t % n_n
+        toks = tt * BT + tl.arange(0, BT)
+        tmask = toks < T
+        cols = nt * BN + tl.arange(0, BN)
+        cmask = cols < H
+        bad = tl.zeros((), tl.int32)
+        if W > 1:
+            ok = wait_geq(done_local + nt, need, err_ptr, rank, STAGE_COMBINE, nt, budget,
+                          USE_TIMER)
+            bad = tl.where(ok, 0, 1)
+        acc = tl.zeros((BT, BN), dtype=tl.float32)
+        for k in range(0, K_top):
+            a = toks.to(tl.int64) * K_top + k
+            j = tl.load(slot_of_ptr + a, mask=tmask, other=-1).to(tl.int64)
+            m = (j >= 0)[:, None] & cmask[None, :]
+            v = tl.load(comb_local + j[:, None] * H + cols[None, :], mask=m, other=0.0)
+            if SAVE_O:
+                tl.store(o_ptr + j[:, None] * H + cols[None, :], v, mask=m)
+            v = v.to(tl.float32)
+            if HAS_W:
+                wk = tl.load(wts_ptr + a, mask=tmask, other=0.0).to(tl.float32)
+                v = v * wk[:, None]
+            acc += v
+        if bad > 0:
+            acc = tl.full((BT, BN), float("nan"), tl.float32)
+        tl.store(y_ptr + toks.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+                 acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])

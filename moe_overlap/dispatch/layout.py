@@ -1,0 +1,239 @@
+"""Routing layout: who sends which assignment where, and how each rank's rows are tiled.
+
+Given ``topk_ids [T, K]`` (global expert ids, -1 = dropped) on every rank of an EP world with
+``El = E / W`` experts per rank, this module computes, with torch ops on the device:
+
+*Source side* (this rank sends):
+  ``sorted_assign [T*K]``: assignment indices ``a = t*K + k`` sorted by expert (stable; kept
+  ones first); position ``j`` in that order is the assignment's *slot*.
+  ``slot_of [T*K]``: a -> j, or -1 for dropped assignments.
+  ``chunks [C, 5]``: the remote sends, split into chunks of at most ``CHUNK`` rows that never
+  cross a (destination, expert) slice: (dst rank, first slot j, rows, first dst row, flag).
+
+*Receive side* (this rank computes its local experts on):
+  rows grouped by local expert, each expert padded to a multiple of ``block_m`` so every GEMM
+  M-tile belongs to one expert; inside an expert, sources in rotated order starting with this
+  rank, so an expert's first tiles hold local rows that need no wait.
+  ``row_tok [R]``: token index for local rows (read straight from x: no permute copy), -1 for
+  rows that arrive from peers into the receive buffer, -2 for padding.
+  ``row_src [R]`` (source rank or -1), ``row_local_expert [R]``, ``expert_end [El]`` (end of
+  real rows), ``slice_off/slice_cnt [W, El]`` (where each source's slice starts, how long).
+
+Host syncs. Exact sizing (``max_tokens_per_rank`` unset) reads the ``[W, E]`` count matrix
+back once per layer call: the receive buffer, the GEMM output and the workspace are sized from
+it (the only way to size them without a worst case). With ``max_tokens_per_rank`` set every
+size is a static worst case, the kernels read the true counts on the device, and the whole
+forward has no host sync (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.moe_counts import launch_count_exchange
+from ..world import WorkspacePlan, World
+
+CHUNK = 64
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@dataclass
+class Layout:
+    world_size: int
+    rank: int
+    num_experts: int
+    local_experts: int
+    top_k: int
+    num_tokens: int
+    block_m: int
+    # host sizes (exact or worst case)
+    rows_cap: int  # R: rows of this rank's receive layout (padded)
+    rows_cap_max: int  # max over ranks (symmetric buffer size)
+    slots_cap_max: int  # max over ranks of kept assignments (combine buffer rows)
+    chunks_cap: int
+    tiles_cap: int
+    # source side
+    counts: torch.Tensor  # [E] int32
+    cnt_all: torch.Tensor  # [W, E] int32
+    sorted_assign: torch.Tensor  # [T*K] int32
+    slot_of: torch.Tensor  # [T*K] int32
+    n_kept: torch.Tensor  # [1] int32
+    chunks: torch.Tensor  # [chunks_cap, 5] int32
+    n_chunks: torch.Tensor  # [1] int32
+    # receive side
+    row_tok: torch.Tensor  # [R] int32
+    row_src: torch.Tensor  # [R] int32
+    row_local_expert: torch.Tensor  # [R] int32
+    row_slot: torch.Tensor  # [R] int32 (local rows; remote rows get theirs from producers)
+    expert_end: torch.Tensor  # [El] int32
+    expert_start: torch.Tensor  # [El] int32
+    slice_off: torch.Tensor  # [W, El] int32
+    slice_cnt: torch.Tensor  # [W, El] int32
+    n_tiles: torch.Tensor  # [1] int32 (valid M-tiles)
+    recv_rows: torch.Tensor  # [El] int32 real rows per local expert
+
+    @property
+    def static(self) -> bool:
+        return False
+
+
+def exchange_counts(counts: torch.Tensor, world: World) -> torch.Tensor:
+    """All-gather the ``[E]`` int32 count vectors through symmetric memory -> ``[W, E]``."""
+    W, E = world.world_size, counts.numel()
+    if W == 1:
+        return counts.view(1, E).clone()
+    plan = WorkspacePlan()
+    off = plan.add((W, E), torch.int32)
+    ws = world.workspace(plan.total)
+    buf = ws.view(off, (W, E), torch.int32)
+    flags = world.begin_op(W)
+    pad_local, epoch = world.ready_args()
+    out = torch.empty(W, E, dtype=torch.int32, device=counts.device)
+
+    def launch(role):
+        launch_count_exchange(counts, out, buf.local, buf.ptrs, flags.local, flags.ptrs,
+                              pad_local, epoch, world.error_buffer, world.rank, W,
+                              world.wait_budget, role, world.use_timer)
+
+    world.run_fused(launch)
+    world.end_op()
+    return out
+
+
+def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m: int,
+                 max_tokens_per_rank: int | None = None) -> Layout:
+    """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
+    device = topk_ids.device
+    W, rank, E = world.world_size, world.rank, num_experts
+    El = E // W
+    T, K = topk_ids.shape
+    TK = T * K
+    i32 = torch.int32
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = ids >= 0
+    key = torch.where(valid, ids, torch.full_like(ids, E))
+    order = torch.sort(key, stable=True).indices
+    counts64 = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    counts64.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts64[:E].to(i32)
+    n_kept = counts64[:E].sum().to(i32).view(1)
+    slot_of = torch.empty(TK, dtype=torch.int64, device=device)
+    slot_of[order] = torch.arange(TK, device=device)
+    slot_of = torch.where(valid, slot_of, torch.full_like(slot_of, -1)).to(i32)
+    send_start = torch.cumsum(counts64[:E], 0) - counts64[:E]  # [E]
+
+    cnt_all = exchange_counts(counts, world)  # [W, E] int32
+    cnt64 = cnt_all.to(torch.int64)
+
+    # ---- receive geometry of every destination d (all ranks compute all of it)
+    cnt_recv = cnt64.view(W, W, El)  # [s, d, l]
+    tot = cnt_recv.sum(0)  # [d, l]
+    ptot = (tot + block_m - 1) // block_m * block_m
+    exp_base = torch.cumsum(ptot, 1) - ptot  # [d, l]
+    # rotated source order for destination d: s_i = (d + i) % W
+    d_idx = torch.arange(W, device=device)
+    i_idx = torch.arange(W, device=device)
+    s_rot = (d_idx[:, None] + i_idx[None, :]) % W  # [d, i]
+    cnt_rot = cnt_recv.permute(1, 0, 2).gather(1, s_rot[:, :, None].expand(W, W, El))  # [d,i,l]
+    pre_rot = torch.cumsum(cnt_rot, 1) - cnt_rot
+    inv = (i_idx[None, :] - d_idx[:, None]) % W  # position of source s in d's rotation [d, s]
+    pre = pre_rot.gather(1, inv[:, :, None].expand(W, W, El))  # [d, s, l]
+    slice_off_all = exp_base[:, None, :] + pre  # [d, s, l]
+    rows_pad = ptot.sum(1)  # [d]
+
+    e_ids = torch.arange(E, device=device)
+    dst_of_e = e_ids // El
+    l_of_e = e_ids % El
+    is_remote = dst_of_e != rank
+    n_ch_e = torch.where(is_remote, (counts64[:E] + CHUNK - 1) // CHUNK, 0)
+    n_chunks64 = n_ch_e.sum()
+
+    exact = max_tokens_per_rank is None
+    if exact:
+        # The one host sync of exact sizing (see module docstring).
+        host = torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1)]).cpu().tolist()
+        rows_cap = int(host[rank])
+        rows_cap_max = int(max(host[:W]))
+        slots_cap_max = int(max(host[W : 2 * W]))
+        chunks_cap = max(int(host[2 * W]), 1)
+    else:
+        Tm = int(max_tokens_per_rank)
+        rows_cap = _cdiv(W * Tm * min(K, El) + El * (block_m - 1), block_m) * block_m
+        rows_cap_max = rows_cap
+        slots_cap_max = Tm * K
+        chunks_cap = _cdiv(Tm * K, CHUNK) + E
+    tiles_cap = max(rows_cap // block_m, 1)
+
+    # ---- source side: remote chunks (a dummy tail segment keeps output_size exact: no sync)
+    n_chunks = n_chunks64.to(i32).view(1)
+    ch_e = torch.repeat_interleave(
+        torch.cat([e_ids, e_ids.new_zeros(1)]),
+        torch.cat([n_ch_e, (chunks_cap - n_chunks64).view(1)]),
+        output_size=chunks_cap,
+    )
+    ch_first = torch.cumsum(n_ch_e, 0) - n_ch_e
+    ci = torch.arange(chunks_cap, device=device) - ch_first[ch_e]
+    j0 = send_start[ch_e] + ci * CHUNK
+    nrows = torch.clamp(counts64[:E][ch_e] - ci * CHUNK, 0, CHUNK)
+    dst = dst_of_e[ch_e]
+    dst_row = slice_off_all[dst, rank, l_of_e[ch_e]] + ci * CHUNK
+    flag = rank * El + l_of_e[ch_e]
+    chunks = torch.stack([dst, j0, nrows, dst_row, flag], 1).to(i32).contiguous()
+
+    # ---- receive side of this rank
+    my_off = slice_off_all[rank]  # [s, l]
+    my_cnt = cnt_recv[:, rank, :]  # [s, l]
+    my_tot = tot[rank]
+    my_base = exp_base[rank]
+    # segments in row order: for each l: W slices in rotated order, then a pad segment
+    seg_src = torch.cat([s_rot[rank], torch.tensor([-1], device=device)])  # [W+1]
+    seg_src = seg_src[None, :].expand(El, W + 1)
+    seg_len = torch.cat([cnt_rot[rank].t(), (ptot[rank] - my_tot)[:, None]], 1)  # [l, W+1]
+    seg_l = torch.arange(El, device=device)[:, None].expand(El, W + 1)
+    seg_src = seg_src.reshape(-1)
+    seg_len = seg_len.reshape(-1)
+    seg_l = seg_l.reshape(-1)
+    tail = rows_cap - rows_pad[rank]
+    seg_src = torch.cat([seg_src, seg_src.new_tensor([-1])])
+    seg_l = torch.cat([seg_l, seg_l.new_tensor([max(El - 1, 0)])])
+    seg_len = torch.cat([seg_len, tail.view(1)])
+    seg_start = torch.cumsum(seg_len, 0) - seg_len
+    seg_of_row = torch.repeat_interleave(
+        torch.arange(seg_len.numel(), device=device), seg_len, output_size=rows_cap
+    )
+    r = torch.arange(rows_cap, device=device)
+    row_src = seg_src[seg_of_row]
+    row_l = seg_l[seg_of_row]
+    in_slice = r - seg_start[seg_of_row]
+    is_local = row_src == rank
+    e_of_row = rank * El + row_l
+    j_local = send_start[e_of_row.clamp(max=E - 1)] + in_slice
+    tok = torch.where(
+        is_local,
+        order.gather(0, j_local.clamp(0, max(TK - 1, 0))) // K if TK > 0 else in_slice * 0,
+        torch.where(row_src >= 0, -1, -2),
+    )
+    row_slot = torch.where(is_local, j_local, -1)
+    n_tiles = (rows_pad[rank] // block_m).to(i32).view(1)
+
+    return Layout(
+        world_size=W, rank=rank, num_experts=E, local_experts=El, top_k=K, num_tokens=T,
+        block_m=block_m, rows_cap=rows_cap, rows_cap_max=rows_cap_max,
+        slots_cap_max=max(slots_cap_max, 1), chunks_cap=chunks_cap, tiles_cap=tiles_cap,
+        counts=counts, cnt_all=cnt_all, sorted_assign=order.to(i32), slot_of=slot_of,
+        n_kept=n_kept, chunks=chunks, n_chunks=n_chunks,
+        row_tok=tok.to(i32), row_src=row_src.to(i32), row_local_expert=row_l.to(i32),
+        row_slot=row_slot.to(i32), expert_end=(my_base + my_tot).to(i32),
+        expert_start=my_base.to(i32), slice_off=my_off.to(i32).contiguous(),
+        slice_cnt=my_cnt.to(i32).contiguous(), n_tiles=n_tiles, recv_rows=my_tot.to(i32),
+    )
+
+
+def n_kept_all(cnt64: torch.Tensor) -> torch.Tensor:
+    """Kept assignments of every source rank, ``[W]``."""
+    return cnt64.sum(1)

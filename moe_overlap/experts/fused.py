@@ -1,0 +1,537 @@
+"""Fused MoE experts: dispatch -> grouped GEMM + activation (layer 0), grouped GEMM -> combine
+(layer 1), and their backward built from the same kernels in mirrored roles.
+
+>>> import torch, moe_overlap as mo
+>>> T, H, F, E, K = 5, 8, 6, 4, 2
+>>> x = torch.randn(T, H)
+>>> ids = torch.tensor([[0, 1], [2, 3], [1, -1], [0, 0], [3, 2]])
+>>> w = torch.rand(T, K)
+>>> w1, w2 = torch.randn(E, 2 * F, H), torch.randn(E, H, F)
+>>> y = mo.fused_experts(x, ids, w, w1, w2)          # single-rank world, SwiGLU
+>>> y.shape
+torch.Size([5, 8])
+
+Forward of ``fused_experts`` on rank r (every step a kernel or torch op on the device):
+
+1. layout: count exchange (symmetric memory, flags), receive geometry, remote chunks;
+2. layer 0 (one launch): communication programs push remote token rows into their owners'
+   receive buffers with per-(source, expert) counters while GEMM programs compute, local rows
+   first, waiting per tile only for the sources they need; SwiGLU (or GELU/ReLU/SiLU) and bias
+   in the epilogue;
+3. layer 1 (two launches): grouped GEMM whose epilogue stores rows into the source ranks'
+   combine buffers and bumps per-column counters; then the deterministic weighted reduction.
+
+Backward (mirrored roles, same kernels):
+  * layer 1: ``d topk_weights = <dy, o>`` from the rows the reduction saved; ``dy * w`` is
+    *dispatched* by the layer-0 kernel into a GEMM with ``w2`` (-> d h), and
+    ``d w2 = g^T h`` is a grouped weight-gradient GEMM;
+  * activation backward from the saved pre-activations;
+  * layer 0: ``d gu @ w1`` is computed by the layer-1 kernel and *combined* back to the source
+    ranks (unweighted), ``d w1 = d gu^T x`` is a grouped weight-gradient GEMM.
+The backward needs no count exchange and no host collective (the forward layout is reused),
+so emulated ranks on one GPU can run it in the concurrent mode.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..dispatch.layout import CHUNK, Layout, build_layout
+from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
+from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
+from ..world import WorkspacePlan, World, interpreted, launch_lock
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------- configs
+def _env_cfg(name):
+    v = os.environ.get(name)
+    if not v:
+        return None
+    bm, bn, bk, warps, stages = (int(p) for p in v.split(","))
+    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+
+
+def block_m() -> int:
+    """Rows per M-tile (experts are padded to it); shared by layer 0 and layer 1."""
+    cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
+    if cfg:
+        return cfg["BM"]
+    return 16 if interpreted() else 128
+
+
+def layer0_config(activation: str) -> dict:
+    """Block config of the layer-0 GEMM. ``MOE_OVERLAP_L0_CONFIG=BM,BN,BK,warps,stages`` pins
+    one (BM must match layer 1's)."""
+    cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
+    if cfg:
+        return cfg
+    if interpreted():
+        return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
+    if activation == "swiglu":  # two accumulators: a 128 x (2 x 128) tile
+        return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+
+
+def layer1_config() -> dict:
+    cfg = _env_cfg("MOE_OVERLAP_L1_CONFIG")
+    if cfg:
+        return cfg
+    if interpreted():
+        return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
+    return dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+
+
+def _programs(world: World, total: int) -> int:
+    if interpreted():
+        return max(1, min(total, 3))
+    return max(1, min(total, getattr(world, "max_programs", 132)))
+
+
+# ------------------------------------------------------------------------------- checks
+def _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2):
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("w1", w1), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if activation not in ACT_CODES or activation == "none":
+        raise ValueError(f"activation must be one of swiglu, gelu, relu, silu; got {activation!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(f"topk_ids must be [T={T}, K], got shape {tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    K = topk_ids.shape[1]
+    if K < 1:
+        raise ValueError("topk_ids must have at least one column")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_weights must be [T, K] = {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"w1 must be [El, 2F or F, H] and w2 [El, H, F]; got {tuple(w1.shape)} "
+                         f"and {tuple(w2.shape)}")
+    El, H2, F = w2.shape
+    rows = 2 * F if activation == "swiglu" else F
+    if H2 != H:
+        raise ValueError(f"w2 must be [El, H={H}, F], got {tuple(w2.shape)} (hidden size mismatch)")
+    if tuple(w1.shape) != (El, rows, H):
+        raise ValueError(f"w1 must be [El={El}, {rows}, H={H}] for activation {activation!r}, got "
+                         f"{tuple(w1.shape)}")
+    for name, t in (("w1", w1), ("w2", w2)):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                    ("w1", w1), ("w2", w2)):
+        if t.device != world.device:
+            raise ValueError(f"{name} is on {t.device} but the world is on {world.device}")
+    if b1 is not None:
+        if not isinstance(b1, torch.Tensor) or tuple(b1.shape) != (El, rows):
+            raise ValueError(f"b1 must be [El={El}, {rows}], got "
+                             f"{getattr(b1, 'shape', type(b1).__name__)}")
+        if b1.device != world.device:
+            raise ValueError(f"b1 is on {b1.device} but the world is on {world.device}")
+    if b2 is not None:
+        if not isinstance(b2, torch.Tensor) or tuple(b2.shape) != (El, H):
+            raise ValueError(f"b2 must be [El={El}, H={H}], got "
+                             f"{getattr(b2, 'shape', type(b2).__name__)}")
+        if b2.device != world.device:
+            raise ValueError(f"b2 is on {b2.device} but the world is on {world.device}")
+    E = El * world.world_size
+    if topk_ids.numel() and not world.device.type == "cuda":
+        lo, hi = int(topk_ids.min()), int(topk_ids.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(f"topk_ids must be in [-1, {E}) (E = El * world_size), found "
+                             f"values in [{lo}, {hi}]")
+    return T, H, F, El, K, E
+
+
+def check_ids_on_device(topk_ids, E):
+    """On the GPU, range-check ids without a host sync: bad ids become an async error."""
+    if topk_ids.numel():
+        torch._assert_async(((topk_ids >= -1) & (topk_ids < E)).all(),
+                            "topk_ids out of range [-1, E)")
+
+
+# ------------------------------------------------------------------------------- plans
+def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype):
+    plan = WorkspacePlan()
+    o_recv = plan.add((layout.rows_cap_max, H), dtype)
+    o_slot = plan.add((layout.rows_cap_max,), torch.int32)
+    o_comb = plan.add((layout.slots_cap_max, H), dtype)
+    ws = world.workspace(plan.total)
+    recv = ws.view(o_recv, (layout.rows_cap_max, H), dtype)
+    slot = ws.view(o_slot, (layout.rows_cap_max,), torch.int32)
+    comb = ws.view(o_comb, (layout.slots_cap_max, H), dtype)
+    return recv, slot, comb
+
+
+def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, world: World,
+                    max_tokens_per_rank: int | None = None) -> Layout:
+    """Routing layout of ``topk_ids [T, K]`` over ``world`` (count exchange included)."""
+    if num_experts % world.world_size:
+        raise ValueError(f"num_experts {num_experts} must be divisible by world_size "
+                         f"{world.world_size}")
+    if max_tokens_per_rank is not None and topk_ids.shape[0] > max_tokens_per_rank:
+        raise ValueError(f"{topk_ids.shape[0]} tokens on rank {world.rank} exceed "
+                         f"max_tokens_per_rank={max_tokens_per_rank}")
+    return build_layout(topk_ids, num_experts, world, block_m(), max_tokens_per_rank)
+
+
+def _dummy(device, dtype=torch.int32):
+    return torch.zeros(1, dtype=dtype, device=device)
+
+
+# ------------------------------------------------------------------------------- layer 0
+def _launch_layer0(x, layout, w, world, act, bias=None, scale=None, row_scale=None,
+                   save_gu=False, n_out=None, stride_wn=None, stride_wk=None, stage_ws=None):
+    """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
+
+    ``w`` is indexed ``w[l, n, k]`` through ``stride_wn`` / ``stride_wk`` (so a transposed view
+    works for the backward). Returns (out [R, N], gu [R, 2N or N] or None, recv, slot).
+    """
+    device = x.device
+    W = world.world_size
+    cfg = layer0_config("swiglu" if act == "swiglu" else "plain")
+    BM = layout.block_m
+    R = layout.rows_cap
+    H = x.shape[1]
+    N = n_out
+    out = torch.empty(R, N, dtype=x.dtype, device=device)
+    gu = None
+    if save_gu:
+        gu = torch.empty(R, 2 * N if act == "swiglu" else N, dtype=x.dtype, device=device)
+    recv, slot, _ = stage_ws
+    flags = None
+    if W > 1:
+        flags = world.begin_op(W * layout.local_experts)
+        pad_local, epoch = world.ready_args()
+    else:
+        pad_local = epoch = _dummy(device)
+    n_n = -(-N // cfg["BN"])
+    total = layout.tiles_cap * n_n
+    n_comm = 0
+    if W > 1:
+        n_comm = min(layout.chunks_cap, 2 if interpreted() else
+                     max(1, getattr(world, "max_programs", 132) // 8))
+    n_gemm = _programs(world, total) if interpreted() else max(
+        1, min(total, getattr(world, "max_programs", 132) - n_comm))
+    di = _dummy(device)
+    df = _dummy(device, x.dtype)
+    args = dict(
+        x_ptr=x, scale_ptr=scale if scale is not None else df,
+        sorted_ptr=layout.sorted_assign, chunk_ptr=layout.chunks, n_chunks_ptr=layout.n_chunks,
+        recv_table=recv.ptrs, slot_table=slot.ptrs,
+        flag_table=flags.ptrs if flags is not None else di, pad_local=pad_local,
+        epoch_ptr=epoch, recv_local=recv.local, row_tok_ptr=layout.row_tok,
+        row_l_ptr=layout.row_local_expert, exp_end_ptr=layout.expert_end,
+        n_tiles_ptr=layout.n_tiles, slice_off_ptr=layout.slice_off,
+        slice_cnt_ptr=layout.slice_cnt, flags_local=flags.local if flags is not None else di,
+        row_scale_ptr=row_scale if row_scale is not None else df,
+        w_ptr=w, b_ptr=bias if bias is not None else df, out_ptr=out,
+        gu_ptr=gu if gu is not None else df, err_ptr=world.error_buffer, rank=world.rank,
+        budget=world.wait_budget, n_comm=n_comm, H=H, N=N, K_top=layout.top_k,
+        stride_xt=x.stride(0), stride_we=w.stride(0), stride_wn=stride_wn, stride_wk=stride_wk,
+        stride_be=bias.stride(0) if bias is not None else 0, stride_om=out.stride(0),
+        stride_gm=gu.stride(0) if gu is not None else 0,
+        W=W, El=layout.local_experts, ACT=ACT_CODES[act], HAS_BIAS=bias is not None,
+        SAVE_GU=save_gu, HAS_SCALE=scale is not None, ROW_SCALE=row_scale is not None,
+        EVEN_K=H % cfg["BK"] == 0, BM=BM, BN=cfg["BN"], BK=cfg["BK"], CH=CHUNK,
+        BH=32 if interpreted() else 128, GROUP_M=8, USE_TIMER=world.use_timer,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+    def launch(role):
+        grid = {0: n_comm + n_gemm, 1: n_comm, 2: n_gemm}[role]
+        if grid > 0:
+            _layer0_kernel[(grid,)](ROLE=role, **args)
+
+    if W > 1:
+        world.run_fused(launch)
+        world.end_op()
+    else:
+        with launch_lock():
+            launch(0)
+    return out, gu
+
+
+def _row_slots(layout: Layout, slot) -> torch.Tensor:
+    """Slots of every receive row: local rows from the layout, remote ones from producers."""
+    if layout.world_size == 1:
+        return layout.row_slot
+    return torch.where(layout.row_tok == -1, slot.local[: layout.rows_cap], layout.row_slot)
+
+
+def _gather_rows(layout: Layout, x, recv, row_scale=None) -> torch.Tensor:
+    """The A rows layer 0 used, as an ordinary tensor ``[R, H]`` (zeros on padding rows)."""
+    tok = layout.row_tok.long()
+    if x.shape[0] == 0:  # a rank with no tokens still receives rows
+        local = x.new_zeros(tok.numel(), x.shape[1])
+    else:
+        local = x.index_select(0, tok.clamp(min=0))
+    if row_scale is not None:
+        local = (local.float() * row_scale.float()[:, None]).to(x.dtype)
+    if layout.world_size > 1:
+        rows = torch.where((tok >= 0)[:, None], local, recv.local[: layout.rows_cap])
+    else:
+        rows = local
+    return torch.where((tok >= -1)[:, None], rows, torch.zeros_like(rows))
+
+
+# ------------------------------------------------------------------------------- layer 1
+def _launch_layer1(h, layout, w, world, bias, weights, row_slot, stage_ws, k_dim, n_out,
+                   stride_wn, stride_wk, save_o=False):
+    """Grouped GEMM ``h @ w[l]^T`` whose rows go to their source ranks, then the reduction
+    ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
+    device = h.device
+    W = world.world_size
+    cfg = layer1_config()
+    BM = layout.block_m
+    T, K = layout.num_tokens, layout.top_k
+    H = n_out
+    _, _, comb = stage_ws
+    if W == 1:
+        comb_local = torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device)
+        comb_table = _dummy(device, torch.int64)
+    else:
+        comb_local, comb_table = comb.local, comb.ptrs
+    y = torch.empty(T, H, dtype=h.dtype, device=device)
+    o = torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device) if save_o else None
+    n_n = -(-H // cfg["BN"])
+    flags = None
+    if W > 1:
+        flags = world.begin_op(n_n)
+        pad_local, epoch = world.ready_args()
+    else:
+        pad_local = epoch = _dummy(device)
+    di = _dummy(device)
+    df = _dummy(device, h.dtype)
+    total = layout.tiles_cap * n_n
+    n_gemm = _programs(world, total)
+    BT = 16 if interpreted() else 32
+    n_red = _programs(world, -(-T // BT) * n_n) if T else 0
+
+    def launch(role):
+        if role in (0, 1):
+            _layer1_gemm_kernel[(n_gemm,)](
+                h, w, bias if bias is not None else df, layout.row_local_expert,
+                layout.expert_end, layout.n_tiles, layout.row_src, row_slot, comb_local,
+                comb_table, flags.ptrs if flags is not None else _dummy(device, torch.int64),
+                pad_local, epoch, world.error_buffer, world.rank, world.wait_budget,
+                k_dim, H, h.stride(0), w.stride(0), stride_wn, stride_wk,
+                bias.stride(0) if bias is not None else 0,
+                W=W, HAS_BIAS=bias is not None, EVEN_K=k_dim % cfg["BK"] == 0,
+                ES=h.element_size(), BM=BM, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
+                USE_TIMER=world.use_timer, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"],
+            )
+        if role in (0, 2) and n_red:
+            _combine_kernel[(n_red,)](
+                comb_local, layout.slot_of, weights if weights is not None else df, y,
+                o if o is not None else df, flags.local if flags is not None else di,
+                layout.n_kept, world.error_buffer, world.rank, world.wait_budget, T, H, K,
+                y.stride(0), W=W, HAS_W=weights is not None, SAVE_O=save_o, BT=BT,
+                BN=cfg["BN"], USE_TIMER=world.use_timer, num_warps=4,
+            )
+
+    if W > 1:
+        world.run_fused(launch, split=True)
+        world.end_op()
+    else:
+        with launch_lock():
+            launch(0)
+    return y, o
+
+
+# ------------------------------------------------------------------------------- backward helpers
+def _valid_rows(layout: Layout) -> torch.Tensor:
+    return layout.row_tok >= -1
+
+
+def _act_backward(d_h, gu, activation, valid):
+    d_h = d_h.float()
+    if activation == "swiglu":
+        F = d_h.shape[1]
+        g, u = gu[:, :F].float(), gu[:, F:].float()
+        sig = torch.sigmoid(g)
+        d_u = d_h * g * sig
+        d_g = d_h * u * sig * (1 + g * (1 - sig))
+        d = torch.cat([d_g, d_u], 1)
+    else:
+        v = gu.float()
+        if activation == "gelu":
+            cdf = 0.5 * (1 + torch.erf(v * 0.7071067811865476))
+            pdf = torch.exp(-0.5 * v * v) * 0.3989422804014327
+            d = d_h * (cdf + v * pdf)
+        elif activation == "relu":
+            d = d_h * (v > 0)
+        else:  # silu
+            sig = torch.sigmoid(v)
+            d = d_h * sig * (1 + v * (1 - sig))
+    # Padding rows hold garbage pre-activations: zero them so no NaN reaches the wgrads.
+    return torch.where(valid[:, None], d, torch.zeros_like(d))
+
+
+def _expert_sum(rows, layout: Layout):
+    """Per-local-expert sum of ``rows [R, N]`` (padding rows must be zero) -> ``[El, N]``."""
+    out = torch.zeros(layout.local_experts, rows.shape[1], dtype=torch.float32,
+                      device=rows.device)
+    return out.index_add_(0, layout.row_local_expert.long(), rows.float())
+
+
+def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype):
+    """``out[l] = a_rows[rows of l]^T @ b_rows[rows of l]`` -> ``[El, A, B]``.
+
+    Padding rows of both operands are zero, so each expert can use its whole padded range.
+    """
+    El = layout.local_experts
+    BM = layout.block_m
+    A, B = a_rows.shape[1], b_rows.shape[1]
+    if (a_rows.is_cuda and a_rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and A % 8 == 0 and B % 8 == 0):
+        ends = layout.expert_start + (layout.expert_end - layout.expert_start + BM - 1) // BM * BM
+        try:
+            return torch._grouped_mm(a_rows.t(), b_rows, offs=ends.to(torch.int32),
+                                     out_dtype=out_dtype)
+        except (RuntimeError, TypeError):
+            pass
+    starts = layout.expert_start.tolist()
+    ends = layout.expert_end.tolist()
+    out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
+    for le in range(El):
+        s, e = starts[le], ends[le]
+        out[le] = (a_rows[s:e].float().t() @ b_rows[s:e].float()).to(out_dtype)
+    return out
+
+
+def _mask_rows(t, valid):
+    return torch.where(valid[:, None], t, torch.zeros_like(t))
+
+
+class _FusedExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, w1, w2, b1, b2, world, layout, activation):
+        H = x.shape[1]
+        F = w2.shape[2]
+        need = any(ctx.needs_input_grad[:6])
+        ws = _workspace(world, layout, H, x.dtype)
+        h, gu = _launch_layer0(x, layout, w1, world, activation, bias=b1, save_gu=need,
+                               n_out=F, stride_wn=w1.stride(1), stride_wk=w1.stride(2),
+                               stage_ws=ws)
+        row_slot = _row_slots(layout, ws[1])
+        x_rows = _gather_rows(layout, x, ws[0]) if need else None
+        wflat = topk_weights.contiguous().view(-1)
+        y, o = _launch_layer1(h, layout, w2, world, b2, wflat, row_slot, ws, k_dim=F, n_out=H,
+                              stride_wn=w2.stride(1), stride_wk=w2.stride(2), save_o=need)
+        if need:
+            ctx.save_for_backward(topk_weights, w1, w2, b1, b2, h, gu, x_rows, o, row_slot)
+        ctx.world, ctx.layout, ctx.activation = world, layout, activation
+        ctx.x_dtype = x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        topk_weights, w1, w2, b1, b2, h, gu, x_rows, o, row_slot = ctx.saved_tensors
+        world, layout, act = ctx.world, ctx.layout, ctx.activation
+        dy = dy.contiguous().to(ctx.x_dtype)
+        T, H = dy.shape
+        K, F = layout.top_k, w2.shape[2]
+        ws = _workspace(world, layout, H, dy.dtype)
+        valid = _valid_rows(layout)
+        wflat = topk_weights.contiguous().view(-1)
+
+        # layer 1: d topk_weights from the saved expert rows
+        slot = layout.slot_of.long()
+        o_rows = o.index_select(0, slot.clamp(min=0)) if slot.numel() else o[:0]
+        d_w = (o_rows.float() * dy.repeat_interleave(K, 0).float()).sum(-1)
+        d_w = torch.where(slot >= 0, d_w, torch.zeros_like(d_w)).view(T, K)
+
+        # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
+        tok = layout.row_tok.long()
+        if wflat.numel():
+            j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
+            a_local = layout.sorted_assign.long().index_select(0, j_local)
+            w_local = wflat.float().index_select(0, a_local)
+        else:
+            w_local = torch.zeros_like(tok, dtype=torch.float32)
+        row_scale = torch.where(tok >= 0, w_local,
+                                torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+        d_h, _ = _launch_layer0(dy, layout, w2, world, "none", scale=wflat, row_scale=row_scale,
+                                n_out=F, stride_wn=w2.stride(2), stride_wk=w2.stride(1),
+                                stage_ws=ws)
+        g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
+        d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype)
+        d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
+
+        # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
+        d_gu = _act_backward(_mask_rows(d_h, valid), gu, act, valid).to(dy.dtype)
+        n_in = d_gu.shape[1]
+        dx, _ = _launch_layer1(d_gu, layout, w1, world, None, None, row_slot, ws, k_dim=n_in,
+                               n_out=H, stride_wn=w1.stride(2), stride_wk=w1.stride(1))
+        d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype)
+        d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
+        return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2, None, None, None
+
+
+# ------------------------------------------------------------------------------- public API
+def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=None):
+    """Layer 0 alone (benchmarks): dispatch + grouped GEMM + activation -> ``h [R, F]`` rows
+    in this rank's receive order (padding rows unspecified). Remembers the row slots on
+    ``layout`` for :func:`layer1`."""
+    H = x.shape[1]
+    F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
+    ws = _workspace(world, layout, H, x.dtype)
+    h, _ = _launch_layer0(x.contiguous(), layout, w1, world, activation, bias=b1, n_out=F,
+                          stride_wn=w1.stride(1), stride_wk=w1.stride(2), stage_ws=ws)
+    layout._row_slot_full = _row_slots(layout, ws[1])
+    return h
+
+
+def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None):
+    """Layer 1 alone (benchmarks): grouped GEMM + combine -> ``y [T, H]``."""
+    H, F = w2.shape[1], w2.shape[2]
+    ws = _workspace(world, layout, H, h.dtype)
+    row_slot = getattr(layout, "_row_slot_full", layout.row_slot)
+    y, _ = _launch_layer1(h, layout, w2, world, b2, topk_weights.contiguous().view(-1), row_slot,
+                          ws, k_dim=F, n_out=H, stride_wn=w2.stride(1), stride_wk=w2.stride(2))
+    return y
+
+
+def fused_experts(x, topk_ids, topk_weights, w1, w2, world: World | None = None,
+                  activation: str = "swiglu", b1=None, b2=None,
+                  max_tokens_per_rank: int | None = None):
+    """``y [T, H] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x)`` over an EP world.
+
+    Args:
+      x: ``[T, H]`` float32/float16/bfloat16, this rank's tokens.
+      topk_ids: ``[T, K]`` int, *global* expert ids in ``[0, E)``; -1 drops the assignment.
+      topk_weights: ``[T, K]`` float (any float dtype; used in fp32).
+      w1: ``[El, 2F, H]`` for SwiGLU (gate rows first, then up rows), else ``[El, F, H]``.
+      w2: ``[El, H, F]``. Global id of local expert i is ``world.rank * El + i``.
+      world: the expert-parallel world (default: ``moe_overlap.init_world()``).
+      activation: ``"swiglu"``, ``"gelu"`` (exact erf), ``"relu"`` or ``"silu"``.
+      b1: ``[El, 2F or F]`` or None; b2: ``[El, H]`` or None.
+      max_tokens_per_rank: static worst-case sizing (no host sync; CUDA-graph capturable).
+    Differentiable in x, topk_weights, w1, w2, b1, b2.
+    """
+    from ..world import default_world
+
+    world = world if world is not None else default_world()
+    T, H, F, El, K, E = _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation,
+                                      b1, b2)
+    if world.device.type == "cuda":
+        check_ids_on_device(topk_ids, E)
+    layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank)
+    return _FusedExpertsFn.apply(
+        x.contiguous(), topk_weights, w1, w2,
+        b1.contiguous() if b1 is not None else None,
+        b2.contiguous() if b2 is not None else None, world, layout, activation,
+    )
