@@ -15,8 +15,8 @@ import triton.language as tl
 
 from .signals import peer_ptr, signal_set, wait_geq
 
-STAGE_READY = 1
-STAGE_COUNTS = 3
+STAGE_READY = tl.constexpr(1)
+STAGE_COUNTS = tl.constexpr(3)
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])

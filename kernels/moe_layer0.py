@@ -31,8 +31,8 @@ import triton.language as tl
 
 from .signals import peer_ptr, signal_add, wait_geq
 
-STAGE_READY = 1
-STAGE_DISPATCH = 4
+STAGE_READY = tl.constexpr(1)
+STAGE_DISPATCH = tl.constexpr(4)
 
 ACT_SWIGLU, ACT_GELU, ACT_RELU, ACT_SILU, ACT_NONE = 0, 1, 2, 3, 4
 ACT_CODES = {"swiglu": 0, "gelu": 1, "relu": 2, "silu": 3, "none": 4}

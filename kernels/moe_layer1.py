@@ -30,8 +30,8 @@ import triton.language as tl
 from .moe_layer0 import tile_coords
 from .signals import signal_add, wait_geq
 
-STAGE_READY = 1
-STAGE_COMBINE = 5
+STAGE_READY = tl.constexpr(1)
+STAGE_COMBINE = tl.constexpr(5)
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])

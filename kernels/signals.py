@@ -61,13 +61,15 @@ def signal_add(flag_ptr, value):
 
 @triton.jit
 def record_error(err_ptr, rank, stage, index, expected, seen):
-    prev = tl.atomic_cas(err_ptr, 0, 1)
+    zero = tl.zeros((), tl.int64)
+    prev = tl.atomic_cas(err_ptr, zero, zero + 1)
     if prev == 0:
-        tl.store(err_ptr + 1, rank.to(tl.int64))
-        tl.store(err_ptr + 2, stage.to(tl.int64))
-        tl.store(err_ptr + 3, index.to(tl.int64))
-        tl.store(err_ptr + 4, expected.to(tl.int64))
-        tl.store(err_ptr + 5, seen.to(tl.int64))
+        # Plain stores convert ints, constexprs and tensors alike to the buffer's int64.
+        tl.store(err_ptr + 1, rank)
+        tl.store(err_ptr + 2, stage)
+        tl.store(err_ptr + 3, index)
+        tl.store(err_ptr + 4, expected)
+        tl.store(err_ptr + 5, seen)
 
 
 @triton.jit

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from .signals import peer_ptr, signal_set, wait_geq
 
-STAGE_READY = 1
-STAGE_CONSUME = 2
+STAGE_READY = tl.constexpr(1)
+STAGE_CONSUME = tl.constexpr(2)
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])

@@ -47,12 +47,14 @@ def spawn(world_size: int, fn, *args, device="cpu", mode: str = "sequential",
 
     def run(rank):
         try:
-            world = EmulatedWorld(group, rank, seed=seed)
-            if world.stream is not None:
-                with torch.cuda.stream(world.stream):
+            stream = group.streams[rank] if group.streams is not None else None
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    world = EmulatedWorld(group, rank, seed=seed)
                     results[rank] = fn(world, *args, **kwargs)
-                world.stream.synchronize()
+                stream.synchronize()
             else:
+                world = EmulatedWorld(group, rank, seed=seed)
                 results[rank] = fn(world, *args, **kwargs)
         except threading.BrokenBarrierError as e:
             errors[rank] = e

@@ -156,7 +156,11 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
     exact = max_tokens_per_rank is None
     if exact:
         # The one host sync of exact sizing (see module docstring).
-        host = torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1)]).cpu().tolist()
+        host = torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1),
+                          cnt64.min().view(1)]).cpu().tolist()
+        if host[-1] < 0:  # the count exchange timed out: raise its record, never use -1s
+            world.check()
+            raise RuntimeError(f"rank {rank}: the count exchange returned negative counts")
         rows_cap = int(host[rank])
         rows_cap_max = int(max(host[:W]))
         slots_cap_max = int(max(host[W : 2 * W]))

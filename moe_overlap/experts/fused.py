@@ -146,7 +146,7 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2):
         if b2.device != world.device:
             raise ValueError(f"b2 is on {b2.device} but the world is on {world.device}")
     E = El * world.world_size
-    if topk_ids.numel() and not world.device.type == "cuda":
+    if topk_ids.numel() and world.device.type != "cuda" and not torch.compiler.is_compiling():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= E:
             raise ValueError(f"topk_ids must be in [-1, {E}) (E = El * world_size), found "
@@ -230,7 +230,7 @@ def _launch_layer0(x, layout, w, world, act, bias=None, scale=None, row_scale=No
         x_ptr=x, scale_ptr=scale if scale is not None else df,
         sorted_ptr=layout.sorted_assign, chunk_ptr=layout.chunks, n_chunks_ptr=layout.n_chunks,
         recv_table=recv.ptrs, slot_table=slot.ptrs,
-        flag_table=flags.ptrs if flags is not None else di, pad_local=pad_local,
+        flag_table=flags.ptrs if flags is not None else _dummy(device, torch.int64), pad_local=pad_local,
         epoch_ptr=epoch, recv_local=recv.local, row_tok_ptr=layout.row_tok,
         row_l_ptr=layout.row_local_expert, exp_end_ptr=layout.expert_end,
         n_tiles_ptr=layout.n_tiles, slice_off_ptr=layout.slice_off,
@@ -416,69 +416,86 @@ def _mask_rows(t, valid):
     return torch.where(valid[:, None], t, torch.zeros_like(t))
 
 
+def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
+    """Forward; returns ``(y, saved)`` where ``saved`` holds what the backward needs."""
+    H = x.shape[1]
+    F = w2.shape[2]
+    ws = _workspace(world, layout, H, x.dtype)
+    h, gu = _launch_layer0(x, layout, w1, world, activation, bias=b1, save_gu=need_grad, n_out=F,
+                           stride_wn=w1.stride(1), stride_wk=w1.stride(2), stage_ws=ws)
+    row_slot = _row_slots(layout, ws[1])
+    # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
+    x_rows = _gather_rows(layout, x, ws[0]) if need_grad else None
+    wflat = topk_weights.contiguous().view(-1)
+    y, o = _launch_layer1(h, layout, w2, world, b2, wflat, row_slot, ws, k_dim=F, n_out=H,
+                          stride_wn=w2.stride(1), stride_wk=w2.stride(2), save_o=need_grad)
+    saved = None
+    if need_grad:
+        saved = dict(h=h, gu=gu, x_rows=x_rows, o=o, row_slot=row_slot)
+    return y, saved
+
+
+def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
+    h, gu, x_rows, o, row_slot = (saved[k] for k in ("h", "gu", "x_rows", "o", "row_slot"))
+    dy = dy.contiguous().to(x_dtype)
+    T, H = dy.shape
+    K, F = layout.top_k, w2.shape[2]
+    ws = _workspace(world, layout, H, dy.dtype)
+    valid = _valid_rows(layout)
+    wflat = topk_weights.contiguous().view(-1)
+
+    # layer 1: d topk_weights from the saved expert rows
+    slot = layout.slot_of.long()
+    o_rows = o.index_select(0, slot.clamp(min=0)) if slot.numel() else o[:0]
+    d_w = (o_rows.float() * dy.repeat_interleave(K, 0).float()).sum(-1)
+    d_w = torch.where(slot >= 0, d_w, torch.zeros_like(d_w)).view(T, K)
+
+    # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
+    tok = layout.row_tok.long()
+    if wflat.numel():
+        j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
+        a_local = layout.sorted_assign.long().index_select(0, j_local)
+        w_local = wflat.float().index_select(0, a_local)
+    else:
+        w_local = torch.zeros_like(tok, dtype=torch.float32)
+    row_scale = torch.where(tok >= 0, w_local,
+                            torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+    d_h, _ = _launch_layer0(dy, layout, w2, world, "none", scale=wflat, row_scale=row_scale,
+                            n_out=F, stride_wn=w2.stride(2), stride_wk=w2.stride(1),
+                            stage_ws=ws)
+    g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
+    d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype)
+    d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
+
+    # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
+    d_gu = _act_backward(_mask_rows(d_h, valid), gu, act, valid).to(dy.dtype)
+    n_in = d_gu.shape[1]
+    dx, _ = _launch_layer1(d_gu, layout, w1, world, None, None, row_slot, ws, k_dim=n_in,
+                           n_out=H, stride_wn=w1.stride(2), stride_wk=w1.stride(1))
+    d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype)
+    d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
+    return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2
+
+
 class _FusedExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, w1, w2, b1, b2, world, layout, activation):
-        H = x.shape[1]
-        F = w2.shape[2]
         need = any(ctx.needs_input_grad[:6])
-        ws = _workspace(world, layout, H, x.dtype)
-        h, gu = _launch_layer0(x, layout, w1, world, activation, bias=b1, save_gu=need,
-                               n_out=F, stride_wn=w1.stride(1), stride_wk=w1.stride(2),
-                               stage_ws=ws)
-        row_slot = _row_slots(layout, ws[1])
-        x_rows = _gather_rows(layout, x, ws[0]) if need else None
-        wflat = topk_weights.contiguous().view(-1)
-        y, o = _launch_layer1(h, layout, w2, world, b2, wflat, row_slot, ws, k_dim=F, n_out=H,
-                              stride_wn=w2.stride(1), stride_wk=w2.stride(2), save_o=need)
+        y, saved = _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need)
         if need:
-            ctx.save_for_backward(topk_weights, w1, w2, b1, b2, h, gu, x_rows, o, row_slot)
+            ctx.save_for_backward(topk_weights, w1, w2, b1, b2, *saved.values())
+            ctx.saved_keys = list(saved)
         ctx.world, ctx.layout, ctx.activation = world, layout, activation
         ctx.x_dtype = x.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        topk_weights, w1, w2, b1, b2, h, gu, x_rows, o, row_slot = ctx.saved_tensors
-        world, layout, act = ctx.world, ctx.layout, ctx.activation
-        dy = dy.contiguous().to(ctx.x_dtype)
-        T, H = dy.shape
-        K, F = layout.top_k, w2.shape[2]
-        ws = _workspace(world, layout, H, dy.dtype)
-        valid = _valid_rows(layout)
-        wflat = topk_weights.contiguous().view(-1)
-
-        # layer 1: d topk_weights from the saved expert rows
-        slot = layout.slot_of.long()
-        o_rows = o.index_select(0, slot.clamp(min=0)) if slot.numel() else o[:0]
-        d_w = (o_rows.float() * dy.repeat_interleave(K, 0).float()).sum(-1)
-        d_w = torch.where(slot >= 0, d_w, torch.zeros_like(d_w)).view(T, K)
-
-        # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
-        tok = layout.row_tok.long()
-        if wflat.numel():
-            j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
-            a_local = layout.sorted_assign.long().index_select(0, j_local)
-            w_local = wflat.float().index_select(0, a_local)
-        else:
-            w_local = torch.zeros_like(tok, dtype=torch.float32)
-        row_scale = torch.where(tok >= 0, w_local,
-                                torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
-        d_h, _ = _launch_layer0(dy, layout, w2, world, "none", scale=wflat, row_scale=row_scale,
-                                n_out=F, stride_wn=w2.stride(2), stride_wk=w2.stride(1),
-                                stage_ws=ws)
-        g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
-        d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype)
-        d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
-
-        # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
-        d_gu = _act_backward(_mask_rows(d_h, valid), gu, act, valid).to(dy.dtype)
-        n_in = d_gu.shape[1]
-        dx, _ = _launch_layer1(d_gu, layout, w1, world, None, None, row_slot, ws, k_dim=n_in,
-                               n_out=H, stride_wn=w1.stride(2), stride_wk=w1.stride(1))
-        d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype)
-        d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
-        return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2, None, None, None
+        topk_weights, w1, w2, b1, b2, *rest = ctx.saved_tensors
+        saved = dict(zip(ctx.saved_keys, rest))
+        grads = _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, ctx.world, ctx.layout,
+                               ctx.activation, ctx.x_dtype)
+        return (*grads, None, None, None)
 
 
 # ------------------------------------------------------------------------------- public API
@@ -529,6 +546,11 @@ def fused_experts(x, topk_ids, topk_weights, w1, w2, world: World | None = None,
                                       b1, b2)
     if world.device.type == "cuda":
         check_ids_on_device(topk_ids, E)
+    if torch.compiler.is_compiling():
+        from .ops import fused_experts_op
+
+        return fused_experts_op(x, topk_ids, topk_weights, w1, w2, b1, b2, world.name,
+                                activation, int(max_tokens_per_rank or 0))
     layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank)
     return _FusedExpertsFn.apply(
         x.contiguous(), topk_weights, w1, w2,

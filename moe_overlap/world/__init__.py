@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import os
+import weakref
 
 import torch
 
@@ -19,7 +21,14 @@ from .base import (
 )
 from .emulated import EmulatedWorld
 
-_REGISTRY: dict[str, World] = {}
+_REGISTRY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_COUNTER = itertools.count()
+
+
+def _register(world) -> str:
+    name = f"{world.backend}:{next(_COUNTER)}:r{world.rank}"
+    _REGISTRY[name] = world
+    return name
 
 __all__ = [
     "ROLE_BOTH", "ROLE_CONSUMER", "ROLE_PRODUCER", "SymmTensor", "World", "WorkspacePlan",
@@ -29,11 +38,8 @@ __all__ = [
 
 
 def register_world(world: World) -> str:
-    """Give ``world`` a name that custom ops can carry through their schema (a World is no
-    schema type). Idempotent; returns the name."""
-    if world.name is None:
-        world.name = f"{world.backend}:{id(world):x}:r{world.rank}"
-        _REGISTRY[world.name] = world
+    """The name custom ops carry for ``world`` (every World registers itself when built)."""
+    _REGISTRY[world.name] = world
     return world.name
 
 

@@ -145,7 +145,11 @@ class World:
         self._epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._ws: SymmTensor | None = None
         self._pad: SymmTensor | None = None
-        self.name: str | None = None
+        # Custom ops carry worlds by name (a World is no schema type); register eagerly so a
+        # traced graph never has to mutate the registry.
+        from . import _register
+
+        self.name: str = _register(self)
 
     # ----------------------------------------------------------------- backend hooks
     def _alloc_symmetric(self, nbytes: int) -> SymmTensor:  # collective

@@ -1,0 +1,87 @@
+"""``torch.library`` custom ops over the fused experts, so ``torch.compile`` can trace models
+that use them.
+
+A World is not a schema type: ops carry the name :func:`moe_overlap.world.register_world`
+gave it (as PyTorch's symm_mem ops carry a group name).
+
+The eager path (``_FusedExpertsFn``) saves the forward's intermediates (rows gathered for the
+weight gradients, pre-activations, expert outputs); their sizes depend on the routing, which a
+traced graph cannot hold as static shapes without a worst case. The compiled path therefore
+saves only the op's inputs and the backward op re-runs the forward kernels to rebuild what it
+needs (the same trade as activation checkpointing: one more forward, no data-dependent shapes
+in the graph). Fake implementations return the static shapes of the outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..world import get_world
+from . import fused
+
+
+def _opt(t):
+    return None if t is None or t.numel() == 0 else t
+
+
+@torch.library.custom_op("moe_overlap::fused_experts", mutates_args=())
+def fused_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                     w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None,
+                     b2: torch.Tensor | None, world_name: str, activation: str,
+                     max_tokens_per_rank: int) -> torch.Tensor:
+    world = get_world(world_name)
+    E = w2.shape[0] * world.world_size
+    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
+    y, _ = fused._forward_impl(x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout,
+                               activation, need_grad=False)
+    return y
+
+
+@fused_experts_op.register_fake
+def _(x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, max_tokens_per_rank):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("moe_overlap::fused_experts_backward", mutates_args=())
+def fused_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
+                              topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                              b1: torch.Tensor | None, b2: torch.Tensor | None, world_name: str,
+                              activation: str, max_tokens_per_rank: int) -> list[torch.Tensor]:
+    world = get_world(world_name)
+    E = w2.shape[0] * world.world_size
+    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
+    _, saved = fused._forward_impl(x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout,
+                                   activation, need_grad=True)
+    dx, dw, d1, d2, db1, db2 = fused._backward_impl(dy, saved, topk_weights, w1, w2, b1, b2,
+                                                    world, layout, activation, x.dtype)
+    # Two distinct empties: outputs of a custom op may not alias each other.
+    return [dx, dw, d1, d2, x.new_empty(0) if db1 is None else db1,
+            x.new_empty(0) if db2 is None else db2]
+
+
+@fused_experts_backward_op.register_fake
+def _(dy, x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation,
+      max_tokens_per_rank):
+    return [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w1),
+            torch.empty_like(w2), x.new_empty(0) if b1 is None else torch.empty_like(b1),
+            x.new_empty(0) if b2 is None else torch.empty_like(b2)]
+
+
+def _setup(ctx, inputs, output):
+    x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, mt = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2,
+                          b1 if b1 is not None else x.new_empty(0),
+                          b2 if b2 is not None else x.new_empty(0))
+    ctx.meta = (world_name, activation, mt)
+
+
+def _backward(ctx, dy):
+    x, topk_ids, topk_weights, w1, w2, b1, b2 = ctx.saved_tensors
+    world_name, activation, mt = ctx.meta
+    dx, dw, d1, d2, db1, db2 = fused_experts_backward_op(
+        dy, x, topk_ids, topk_weights, w1, w2, _opt(b1), _opt(b2), world_name, activation, mt
+    )
+    return dx, None, dw, d1, d2, _opt(db1), _opt(db2), None, None, None
+
+
+fused_experts_op.register_autograd(_backward, setup_context=_setup)
