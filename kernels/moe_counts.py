@@ -13,6 +13,7 @@ consumer program: wait the W flags of its own pad, copy the matrix out. Stage co
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .signals import peer_ptr, signal_set, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -51,8 +52,8 @@ def launch_count_exchange(counts, out, buf_local, buf_table, flags_local, flag_t
                           epoch, err, rank, world_size, budget, role, use_timer):
     E = counts.numel()
     grid = (2 if role == 0 else 1,)
-    _count_exchange_kernel[grid](
-        counts, out, buf_local, buf_table, flags_local, flag_table, pad_local, epoch, err, E,
+    launch(
+        _count_exchange_kernel, grid, counts, out, buf_local, buf_table, flags_local, flag_table, pad_local, epoch, err, E,
         rank, budget, W=world_size, ROLE=role, BE=triton.next_power_of_2(max(E, 16)),
         USE_TIMER=use_timer,
     )

@@ -27,6 +27,8 @@ ones leave it alone.
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 
 @triton.jit
 def now_ns(USE_TIMER: tl.constexpr):
@@ -122,9 +124,10 @@ def _wait_kernel(flag_ptr, target, err_ptr, out_ptr, rank, stage, index, budget,
 
 def publish_ready(pad_table, epoch, rank: int, world_size: int):
     """Launch the op-start handshake (see ``_ready_kernel``)."""
-    _ready_kernel[(1,)](pad_table, epoch, rank, world_size)
+    launch(_ready_kernel, (1,), pad_table, epoch, rank, world_size)
 
 
 def wait_flag(flag, target, err, out, rank, stage, index, budget, use_timer):
     """Launch one bounded wait on ``flag[0] >= target``; ``out[0]`` gets 1 on success."""
-    _wait_kernel[(1,)](flag, target, err, out, rank, stage, index, budget, USE_TIMER=use_timer)
+    launch(_wait_kernel, (1,), flag, target, err, out, rank, stage, index, budget,
+           USE_TIMER=use_timer)

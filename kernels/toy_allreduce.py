@@ -14,6 +14,7 @@ Producers have the low program ids so a launch with both roles schedules them fi
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .signals import peer_ptr, signal_set, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -69,8 +70,8 @@ def launch_push_allreduce(x, out, buf_local, buf_table, flag_table, flags_local,
     BM, BN = block
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = (2 * n_tiles if role == 0 else n_tiles,)
-    _push_allreduce_kernel[grid](
-        x, out, buf_local, buf_table, flag_table, flags_local, pad_local, epoch, err, M, N, rank, budget,
+    launch(
+        _push_allreduce_kernel, grid, x, out, buf_local, buf_table, flag_table, flags_local, pad_local, epoch, err, M, N, rank, budget,
         W=world_size, ROLE=role, BM=BM, BN=BN, USE_TIMER=use_timer,
     )
     return n_tiles

@@ -167,7 +167,8 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
         chunks_cap = max(int(host[2 * W]), 1)
     else:
         Tm = int(max_tokens_per_rank)
-        rows_cap = _cdiv(W * Tm * min(K, El) + El * (block_m - 1), block_m) * block_m
+        # K, not min(K, El): a token may repeat an expert id (allowed), so a rank can get W*Tm*K.
+        rows_cap = _cdiv(W * Tm * K + El * (block_m - 1), block_m) * block_m
         rows_cap_max = rows_cap
         slots_cap_max = Tm * K
         chunks_cap = _cdiv(Tm * K, CHUNK) + E
@@ -195,7 +196,8 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
     my_tot = tot[rank]
     my_base = exp_base[rank]
     # segments in row order: for each l: W slices in rotated order, then a pad segment
-    seg_src = torch.cat([s_rot[rank], torch.tensor([-1], device=device)])  # [W+1]
+    # torch.full, not torch.tensor: no host-to-device copy inside a CUDA-graph capture.
+    seg_src = torch.cat([s_rot[rank], torch.full((1,), -1, device=device, dtype=s_rot.dtype)])
     seg_src = seg_src[None, :].expand(El, W + 1)
     seg_len = torch.cat([cnt_rot[rank].t(), (ptot[rank] - my_tot)[:, None]], 1)  # [l, W+1]
     seg_l = torch.arange(El, device=device)[:, None].expand(El, W + 1)
@@ -203,8 +205,8 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
     seg_len = seg_len.reshape(-1)
     seg_l = seg_l.reshape(-1)
     tail = rows_cap - rows_pad[rank]
-    seg_src = torch.cat([seg_src, seg_src.new_tensor([-1])])
-    seg_l = torch.cat([seg_l, seg_l.new_tensor([max(El - 1, 0)])])
+    seg_src = torch.cat([seg_src, torch.full((1,), -1, device=device, dtype=seg_src.dtype)])
+    seg_l = torch.cat([seg_l, torch.full((1,), max(El - 1, 0), device=device, dtype=seg_l.dtype)])
     seg_len = torch.cat([seg_len, tail.view(1)])
     seg_start = torch.cumsum(seg_len, 0) - seg_len
     seg_of_row = torch.repeat_interleave(

@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
+from ..kernels.launch import launch as _launch, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..world import WorkspacePlan, World, interpreted, launch_lock
@@ -252,7 +253,7 @@ def _launch_layer0(x, layout, w, world, act, bias=None, scale=None, row_scale=No
     def launch(role):
         grid = {0: n_comm + n_gemm, 1: n_comm, 2: n_gemm}[role]
         if grid > 0:
-            _layer0_kernel[(grid,)](ROLE=role, **args)
+            _launch(_layer0_kernel, (grid,), ROLE=role, **args)
 
     if W > 1:
         world.run_fused(launch)
@@ -321,8 +322,8 @@ def _launch_layer1(h, layout, w, world, bias, weights, row_slot, stage_ws, k_dim
 
     def launch(role):
         if role in (0, 1):
-            _layer1_gemm_kernel[(n_gemm,)](
-                h, w, bias if bias is not None else df, layout.row_local_expert,
+            _launch(
+                _layer1_gemm_kernel, (n_gemm,), h, w, bias if bias is not None else df, layout.row_local_expert,
                 layout.expert_end, layout.n_tiles, layout.row_src, row_slot, comb_local,
                 comb_table, flags.ptrs if flags is not None else _dummy(device, torch.int64),
                 pad_local, epoch, world.error_buffer, world.rank, world.wait_budget,
@@ -334,8 +335,8 @@ def _launch_layer1(h, layout, w, world, bias, weights, row_slot, stage_ws, k_dim
                 num_stages=cfg["num_stages"],
             )
         if role in (0, 2) and n_red:
-            _combine_kernel[(n_red,)](
-                comb_local, layout.slot_of, weights if weights is not None else df, y,
+            _launch(
+                _combine_kernel, (n_red,), comb_local, layout.slot_of, weights if weights is not None else df, y,
                 o if o is not None else df, flags.local if flags is not None else di,
                 layout.n_kept, world.error_buffer, world.rank, world.wait_budget, T, H, K,
                 y.stride(0), W=W, HAS_W=weights is not None, SAVE_O=save_o, BT=BT,
@@ -403,9 +404,18 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype):
                                      out_dtype=out_dtype)
         except (RuntimeError, TypeError):
             pass
+    out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
+    if a_rows.is_cuda:
+        # No host sync on the GPU (the emulated backward must never block its worker thread):
+        # one masked product per expert.
+        rl = layout.row_local_expert
+        for le in range(El):
+            m = (rl == le)[:, None]
+            a = torch.where(m, a_rows, torch.zeros_like(a_rows)).float()
+            out[le] = (a.t() @ b_rows.float()).to(out_dtype)
+        return out
     starts = layout.expert_start.tolist()
     ends = layout.expert_end.tolist()
-    out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
     for le in range(El):
         s, e = starts[le], ends[le]
         out[le] = (a_rows[s:e].float().t() @ b_rows[s:e].float()).to(out_dtype)
@@ -432,10 +442,37 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     saved = None
     if need_grad:
         saved = dict(h=h, gu=gu, x_rows=x_rows, o=o, row_slot=row_slot)
+        if world.concurrent and world.device.type == "cuda" and world.world_size > 1:
+            _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws)
     return y, saved
 
 
+def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws):
+    """Compile and load the backward's kernel variants now: the backward of emulated ranks runs
+    on autograd's one CUDA worker thread, where no barrier can protect a lazy kernel load."""
+    H, F = x.shape[1], w2.shape[2]
+    wflat = topk_weights.contiguous().view(-1)
+    with warmup_only():
+        row_scale = torch.empty(layout.rows_cap, dtype=torch.float32, device=x.device)
+        _launch_layer0(torch.empty_like(x), layout, w2, world, "none", scale=wflat,
+                       row_scale=row_scale, n_out=F, stride_wn=w2.stride(2),
+                       stride_wk=w2.stride(1), stage_ws=ws)
+        d_gu = torch.empty_like(saved["gu"])
+        _launch_layer1(d_gu, layout, w1, world, None, None, saved["row_slot"], ws,
+                       k_dim=d_gu.shape[1], n_out=H, stride_wn=w1.stride(2),
+                       stride_wk=w1.stride(1))
+
+
 def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
+    world.in_backward = True
+    try:
+        return _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act,
+                              x_dtype)
+    finally:
+        world.in_backward = False
+
+
+def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
     h, gu, x_rows, o, row_slot = (saved[k] for k in ("h", "gu", "x_rows", "o", "row_slot"))
     dy = dy.contiguous().to(x_dtype)
     T, H = dy.shape

@@ -144,6 +144,10 @@ class World:
         self._err_event = None
         self._epoch = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._ws: SymmTensor | None = None
+        # Set while this rank runs a backward op: no host barrier may be used then (autograd's
+        # CUDA worker thread is shared by every emulated rank).
+        self.in_backward = False
+        self.producer_delay_cycles = 0
         self._pad: SymmTensor | None = None
         # Custom ops carry worlds by name (a World is no schema type); register eagerly so a
         # traced graph never has to mutate the registry.
@@ -231,10 +235,13 @@ class World:
     def begin_op(self, nflags: int) -> SymmTensor:
         """Reset this op's flags, publish readiness; returns the op flags (after ready slots)."""
         from ..kernels import signals as sig
+        from ..kernels.launch import warming_up
 
-        self._poll_errors()
         pad = self.signal_pad(nflags)
         flags = pad.view(READY_SLOTS * 4, (max(nflags, 1),), torch.int32)
+        if warming_up():  # an earlier op's kernels may still wait on these flags
+            return flags
+        self._poll_errors()
         flags.local.zero_()
         with launch_lock():
             sig.publish_ready(pad.ptrs, self._epoch, self.rank, self.world_size)
@@ -250,14 +257,35 @@ class World:
         ``split``: the op's consumer is a separate kernel issued after the producer on the same
         stream (e.g. the combine's reduction); concurrent worlds launch both without a barrier.
         """
+        from ..kernels.launch import warming_up, warmup_only
+
+        def roles():
+            if split:
+                launch(ROLE_PRODUCER)
+                launch(ROLE_CONSUMER)
+            else:
+                launch(ROLE_BOTH)
+
+        if warming_up():  # compile + load only (see kernels/launch.py)
+            roles() if self.concurrent else (launch(ROLE_PRODUCER), launch(ROLE_CONSUMER))
+            return
         if self.concurrent:
+            if self._needs_load_barrier():
+                # Every rank compiles and loads its variants, then all meet: no rank spins
+                # while a peer's thread is still loading kernel code.
+                with warmup_only():
+                    roles()
+                self.barrier()
+            self._inject_delay()
             with launch_lock():
-                if split:
-                    launch(ROLE_PRODUCER)
-                    launch(ROLE_CONSUMER)
-                else:
-                    launch(ROLE_BOTH)
+                roles()
         else:
+            if self.in_backward and self.device.type == "cuda" and self.world_size > 1:
+                raise RuntimeError(
+                    "emulated backward on one GPU needs spawn(..., mode='concurrent'): autograd "
+                    "runs every rank's CUDA backward on one worker thread, so phased launches "
+                    "with host barriers cannot meet"
+                )
             self.barrier()  # every rank's ready epoch is published
             with launch_lock():
                 launch(ROLE_PRODUCER)
@@ -265,7 +293,20 @@ class World:
             with launch_lock():
                 launch(ROLE_CONSUMER)
 
+    def _needs_load_barrier(self) -> bool:
+        return False
+
+    def _inject_delay(self) -> None:
+        """Test hook: ``world.producer_delay_cycles`` sleeps this rank's stream before a launch,
+        so peers' waits really wait (GPU only)."""
+        if self.producer_delay_cycles and self.device.type == "cuda":
+            torch.cuda._sleep(int(self.producer_delay_cycles))
+
     def end_op(self) -> None:
+        from ..kernels.launch import warming_up
+
+        if warming_up():
+            return
         if self.debug or self.device.type != "cuda":
             # On the CPU everything already ran: checking costs nothing.
             self.check()

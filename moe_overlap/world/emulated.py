@@ -38,6 +38,10 @@ class _Group:
         self.timeout = timeout
         self.barrier = threading.Barrier(world_size, timeout=timeout)
         self.slots = [None] * world_size
+        # Every symmetric allocation of every rank lives as long as the group: a rank that
+        # returns early must not free memory its peers still address (their kernels may still
+        # publish ready epochs into it). Superseded workspaces are kept too (growth is rare).
+        self.keep: list = []
         self.streams = None
         if device.type == "cuda" and mode == "concurrent":
             self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
@@ -59,6 +63,12 @@ class EmulatedWorld(World):
     @property
     def concurrent(self) -> bool:
         return self._group.mode == "concurrent"
+
+    def _needs_load_barrier(self) -> bool:
+        # Concurrent ranks share one device: a lazy kernel load by one thread can wait on
+        # another rank's spinning kernel. Not in backward (no host barrier there): the forward
+        # warms the backward's variants up instead.
+        return self.device.type == "cuda" and self.world_size > 1 and not self.in_backward
 
     @property
     def stream(self):
@@ -116,6 +126,7 @@ class EmulatedWorld(World):
     # ------------------------------------------------------------- memory
     def _alloc_symmetric(self, nbytes: int) -> SymmTensor:
         local = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._group.keep.append(local)
         ptrs = self._exchange(local.data_ptr())
         table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
         # Keep peers' tensors alive for as long as this rank holds its table.

@@ -14,6 +14,7 @@ import torch
 import triton.testing
 
 import moe_overlap as mo
+import moe_overlap.toy
 from moe_overlap.experts import fused
 from moe_overlap.testing import spawn
 
@@ -68,10 +69,26 @@ def correctness():
     w2r = w2.float().requires_grad_()
     yr = ref_experts(xr, ids, wr, w1r, w2r)
     (yr * dy.float()).sum().backward()
-    RES["w1_bwd_rel"] = {n: rel(a.grad, b.grad) for n, a, b in
-                         (("x", xg, xr), ("w", wg, wr), ("w1", w1g, w1r), ("w2", w2g, w2r))}
+    RES["w1_bwd_rel"] = {
+        n: rel(a.grad, b.grad)
+        for n, a, b in (("x", xg, xr), ("w", wg, wr), ("w1", w1g, w1r), ("w2", w2g, w2r))
+    }
+
+    def toy(world):
+        if world.rank == 0:
+            world.producer_delay_cycles = 20_000_000
+        xx = torch.full((64, 96), float(world.rank + 1), device=dev)
+        out = mo.toy.push_allreduce(xx, world)
+        world.check()
+        return out[0, 0].item()
 
     for mode in ("sequential", "concurrent"):
+        try:
+            RES[f"toy_{mode}"] = spawn(3, toy, device="cuda", mode=mode)
+        except Exception as e:  # noqa: BLE001
+            RES[f"toy_{mode}_error"] = repr(e)[:500]
+    for mode in ("sequential", "concurrent"):
+
         def fn(world):
             g = torch.Generator(device="cpu").manual_seed(10 + world.rank)
             Tr = 300 + 77 * world.rank
@@ -80,13 +97,27 @@ def correctness():
             ww = torch.rand(Tr, K, generator=g).to(dev)
             El = E // world.world_size
             sl = slice(world.rank * El, (world.rank + 1) * El)
-            if mode == "concurrent" and world.rank == 0:
-                torch.cuda._sleep(50_000_000)
-            yy = mo.fused_experts(xx, ii, ww, w1[sl], w2[sl], world=world)
+            if world.rank == 0:
+                world.producer_delay_cycles = 50_000_000
+            xg = xx.clone().requires_grad_(mode == "concurrent")
+            w1l = w1[sl].clone().requires_grad_(mode == "concurrent")
+            yy = mo.fused_experts(xg, ii, ww, w1l, w2[sl], world=world)
+            out = [rel(yy, ref_experts(xx, ii, ww, w1, w2))]
+            if mode == "concurrent":
+                dy = torch.randn_like(yy)
+                (yy.float() * dy.float()).sum().backward()
+                xr = xx.float().requires_grad_()
+                w1r = w1.float().requires_grad_()
+                (ref_experts(xr, ii, ww, w1r, w2) * dy.float()).sum().backward()
+                out += [rel(xg.grad, xr.grad), w1r.grad[sl].norm().item(), w1l.grad.float().norm().item()]
             world.check()
-            return rel(yy, ref_experts(xx, ii, ww, w1, w2))
+            return out
+
         for W in (2, 4):
-            RES[f"emulated_{mode}_W{W}_rel"] = spawn(W, fn, device="cuda", mode=mode)
+            try:
+                RES[f"emulated_{mode}_W{W}_rel"] = spawn(W, fn, device="cuda", mode=mode)
+            except Exception as e:  # noqa: BLE001
+                RES[f"emulated_{mode}_W{W}_error"] = repr(e)[:800]
 
 
 def bench(name, T, H, F, E, K):
@@ -122,11 +153,15 @@ def bench(name, T, H, F, E, K):
 
     full = lambda: mo.fused_experts(x, ids, w, w1, w2, world=world)
     out = {}
-    for key, fn, flops in (("gmm0", gm0, 2 * M * H * 2 * F), ("fused0", f0, 2 * M * H * 2 * F),
-                           ("unfused0", unfused0, 2 * M * H * 2 * F),
-                           ("gmm1", gm1, 2 * M * F * H), ("fused1", f1, 2 * M * F * H),
-                           ("unfused1", unfused1, 2 * M * F * H),
-                           ("fused_experts", full, 2 * M * H * 3 * F)):
+    for key, fn, flops in (
+        ("gmm0", gm0, 2 * M * H * 2 * F),
+        ("fused0", f0, 2 * M * H * 2 * F),
+        ("unfused0", unfused0, 2 * M * H * 2 * F),
+        ("gmm1", gm1, 2 * M * F * H),
+        ("fused1", f1, 2 * M * F * H),
+        ("unfused1", unfused1, 2 * M * F * H),
+        ("fused_experts", full, 2 * M * H * 3 * F),
+    ):
         ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
         out[key] = dict(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
     out["ratio0_vs_gmm"] = round(out["gmm0"]["ms"] / out["fused0"]["ms"], 3)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: install, GPU smoke + benchmark, GPU pytest suite, torchrun (1 process) suite.
+# Usage on the H200: bash tests/gpu/run_h200.sh [smoke|tests|all]; results under $OUT.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v root | tail -2
+export PYTHONUNBUFFERED=1 MOE_OVERLAP_COMPILED=1
+what=${1:-all}
+if [ "$what" = smoke ] || [ "$what" = all ]; then
+  timeout 300 python3 tests/gpu/h200_smoke.py "${@:2}" > "$OUT/smoke.log" 2>&1
+  echo "smoke rc=$?"; cp smoke.json "$OUT/" 2>/dev/null
+  grep -v Repeat.cu "$OUT/smoke.log" | tail -15 | cut -c1-400
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -q -x -m "gpu or multigpu" tests -p no:cacheprovider \
+    > "$OUT/pytest_gpu.log" 2>&1
+  echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" | cut -c1-300
+  for f in tests/multigpu/test_*.py; do
+    timeout 120 torchrun --nproc-per-node 1 "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
+    echo "torchrun $f rc=$?"; tail -3 "$OUT/$(basename "$f" .py).log" | cut -c1-300
+  done
+fi
