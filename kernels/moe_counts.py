@@ -22,9 +22,22 @@ STAGE_COUNTS = tl.constexpr(3)
 
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _count_exchange_kernel(
-    counts_ptr, out_ptr, buf_local, buf_table, flags_local, flag_table, pad_local, epoch_ptr,
-    err_ptr, E, rank, budget,
-    W: tl.constexpr, ROLE: tl.constexpr, BE: tl.constexpr, USE_TIMER: tl.constexpr,
+    counts_ptr,
+    out_ptr,
+    buf_local,
+    buf_table,
+    flags_local,
+    flag_table,
+    pad_local,
+    epoch_ptr,
+    err_ptr,
+    E,
+    rank,
+    budget,
+    W: tl.constexpr,
+    ROLE: tl.constexpr,
+    BE: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     is_producer = (ROLE == 1) | ((ROLE == 0) & (pid == 0))
@@ -48,12 +61,41 @@ def _count_exchange_kernel(
             tl.store(out_ptr + s * E + offs, v, mask=m)
 
 
-def launch_count_exchange(counts, out, buf_local, buf_table, flags_local, flag_table, pad_local,
-                          epoch, err, rank, world_size, budget, role, use_timer):
+def launch_count_exchange(
+    counts,
+    out,
+    buf_local,
+    buf_table,
+    flags_local,
+    flag_table,
+    pad_local,
+    epoch,
+    err,
+    rank,
+    world_size,
+    budget,
+    role,
+    use_timer,
+):
     E = counts.numel()
     grid = (2 if role == 0 else 1,)
     launch(
-        _count_exchange_kernel, grid, counts, out, buf_local, buf_table, flags_local, flag_table, pad_local, epoch, err, E,
-        rank, budget, W=world_size, ROLE=role, BE=triton.next_power_of_2(max(E, 16)),
+        _count_exchange_kernel,
+        grid,
+        counts,
+        out,
+        buf_local,
+        buf_table,
+        flags_local,
+        flag_table,
+        pad_local,
+        epoch,
+        err,
+        E,
+        rank,
+        budget,
+        W=world_size,
+        ROLE=role,
+        BE=triton.next_power_of_2(max(E, 16)),
         USE_TIMER=use_timer,
     )

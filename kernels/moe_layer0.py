@@ -62,18 +62,59 @@ def tile_coords(t, n_m, n_n, GROUP_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
-    x_ptr, scale_ptr, sorted_ptr, chunk_ptr, n_chunks_ptr,
-    recv_table, slot_table, flag_table, pad_local, epoch_ptr,
-    recv_local, row_tok_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, slice_off_ptr, slice_cnt_ptr,
-    flags_local, row_scale_ptr,
-    w_ptr, b_ptr, out_ptr, gu_ptr,
-    err_ptr, rank, budget, n_comm,
-    H, N, K_top, stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_om, stride_gm,
-    W: tl.constexpr, El: tl.constexpr, ROLE: tl.constexpr, ACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SAVE_GU: tl.constexpr, HAS_SCALE: tl.constexpr,
-    ROW_SCALE: tl.constexpr, EVEN_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CH: tl.constexpr, BH: tl.constexpr,
-    GROUP_M: tl.constexpr, USE_TIMER: tl.constexpr,
+    x_ptr,
+    scale_ptr,
+    sorted_ptr,
+    chunk_ptr,
+    n_chunks_ptr,
+    recv_table,
+    slot_table,
+    flag_table,
+    pad_local,
+    epoch_ptr,
+    recv_local,
+    row_tok_ptr,
+    row_l_ptr,
+    exp_end_ptr,
+    n_tiles_ptr,
+    slice_off_ptr,
+    slice_cnt_ptr,
+    flags_local,
+    row_scale_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    gu_ptr,
+    err_ptr,
+    rank,
+    budget,
+    n_comm,
+    H,
+    N,
+    K_top,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_om,
+    stride_gm,
+    W: tl.constexpr,
+    El: tl.constexpr,
+    ROLE: tl.constexpr,
+    ACT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SAVE_GU: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    CH: tl.constexpr,
+    BH: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -91,8 +132,9 @@ def _layer0_kernel(
             n = tl.load(chunk_ptr + c * 5 + 2)
             row0 = tl.load(chunk_ptr + c * 5 + 3)
             fl = tl.load(chunk_ptr + c * 5 + 4)
-            ok = wait_geq(pad_local + dst, epoch, err_ptr, rank, STAGE_READY, dst, budget,
-                          USE_TIMER)
+            ok = wait_geq(
+                pad_local + dst, epoch, err_ptr, rank, STAGE_READY, dst, budget, USE_TIMER
+            )
             if ok:
                 ri = tl.arange(0, CH)
                 m = ri < n
@@ -135,12 +177,21 @@ def _layer0_kernel(
                     cnt = tl.load(slice_cnt_ptr + s * El + le)
                     need = (s != rank) & (cnt > 0) & (off < r0 + BM) & (off + cnt > r0)
                     if need:
-                        ok = wait_geq(flags_local + s * El + le, cnt, err_ptr, rank,
-                                      STAGE_DISPATCH, s * El + le, budget, USE_TIMER)
+                        ok = wait_geq(
+                            flags_local + s * El + le,
+                            cnt,
+                            err_ptr,
+                            rank,
+                            STAGE_DISPATCH,
+                            s * El + le,
+                            budget,
+                            USE_TIMER,
+                        )
                         nbad += tl.where(ok, 0, 1)
             tok = tl.load(row_tok_ptr + rows, mask=rmask, other=-2)
-            a_row = tl.where(tok >= 0, x_ptr + tok.to(tl.int64) * stride_xt,
-                             recv_local + rows.to(tl.int64) * H)
+            a_row = tl.where(
+                tok >= 0, x_ptr + tok.to(tl.int64) * stride_xt, recv_local + rows.to(tl.int64) * H
+            )
             cols = nt * BN + tl.arange(0, BN)
             cmask = cols < N
             w_base = w_ptr + le.to(tl.int64) * stride_we
@@ -153,15 +204,22 @@ def _layer0_kernel(
                     a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
                     bm = cmask[None, :]
                 else:
-                    a = tl.load(a_row[:, None] + ks[None, :],
-                                mask=rmask[:, None] & (ks[None, :] < H), other=0.0)
+                    a = tl.load(
+                        a_row[:, None] + ks[None, :],
+                        mask=rmask[:, None] & (ks[None, :] < H),
+                        other=0.0,
+                    )
                     bm = cmask[None, :] & (ks[:, None] < H)
-                b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                            mask=bm, other=0.0)
+                b = tl.load(
+                    w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bm, other=0.0
+                )
                 acc = tl.dot(a, b, acc)
                 if ACT == 0:
-                    bu = tl.load(w_base + (cols[None, :] + N) * stride_wn + ks[:, None] * stride_wk,
-                                 mask=bm, other=0.0)
+                    bu = tl.load(
+                        w_base + (cols[None, :] + N) * stride_wn + ks[:, None] * stride_wk,
+                        mask=bm,
+                        other=0.0,
+                    )
                     acc_u = tl.dot(a, bu, acc_u)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + le * stride_be + cols, mask=cmask, other=0.0)
@@ -172,11 +230,17 @@ def _layer0_kernel(
             omask = rmask[:, None] & cmask[None, :]
             rows64 = rows.to(tl.int64)
             if SAVE_GU:
-                tl.store(gu_ptr + rows64[:, None] * stride_gm + cols[None, :],
-                         acc.to(gu_ptr.dtype.element_ty), mask=omask)
+                tl.store(
+                    gu_ptr + rows64[:, None] * stride_gm + cols[None, :],
+                    acc.to(gu_ptr.dtype.element_ty),
+                    mask=omask,
+                )
                 if ACT == 0:
-                    tl.store(gu_ptr + rows64[:, None] * stride_gm + N + cols[None, :],
-                             acc_u.to(gu_ptr.dtype.element_ty), mask=omask)
+                    tl.store(
+                        gu_ptr + rows64[:, None] * stride_gm + N + cols[None, :],
+                        acc_u.to(gu_ptr.dtype.element_ty),
+                        mask=omask,
+                    )
             if ACT == 0:
                 h = acc * tl.sigmoid(acc) * acc_u
             else:
@@ -186,5 +250,8 @@ def _layer0_kernel(
                 h = h * rs[:, None]
             if nbad > 0:
                 h = tl.full((BM, BN), float("nan"), tl.float32)
-            tl.store(out_ptr + rows64[:, None] * stride_om + cols[None, :],
-                     h.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.store(
+                out_ptr + rows64[:, None] * stride_om + cols[None, :],
+                h.to(out_ptr.dtype.element_ty),
+                mask=omask,
+            )

@@ -36,11 +36,37 @@ STAGE_COMBINE = tl.constexpr(5)
 
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _layer1_gemm_kernel(
-    h_ptr, w_ptr, b_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, row_src_ptr, row_slot_ptr,
-    comb_local, comb_table, done_table, pad_local, epoch_ptr, err_ptr, rank, budget,
-    F, H, stride_hm, stride_we, stride_wn, stride_wk, stride_be,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, ES: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    b_ptr,
+    row_l_ptr,
+    exp_end_ptr,
+    n_tiles_ptr,
+    row_src_ptr,
+    row_slot_ptr,
+    comb_local,
+    comb_table,
+    done_table,
+    pad_local,
+    epoch_ptr,
+    err_ptr,
+    rank,
+    budget,
+    F,
+    H,
+    stride_hm,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    ES: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    GROUP_M: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -73,11 +99,13 @@ def _layer1_gemm_kernel(
                 a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
                 bm = cmask[None, :]
             else:
-                a = tl.load(a_row[:, None] + ks[None, :],
-                            mask=rmask[:, None] & (ks[None, :] < F), other=0.0)
+                a = tl.load(
+                    a_row[:, None] + ks[None, :], mask=rmask[:, None] & (ks[None, :] < F), other=0.0
+                )
                 bm = cmask[None, :] & (ks[:, None] < F)
-            b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk,
-                        mask=bm, other=0.0)
+            b = tl.load(
+                w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bm, other=0.0
+            )
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             bias = tl.load(b_ptr + le * stride_be + cols, mask=cmask, other=0.0)
@@ -101,10 +129,26 @@ def _layer1_gemm_kernel(
 
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _combine_kernel(
-    comb_local, slot_of_ptr, wts_ptr, y_ptr, o_ptr, done_local, n_kept_ptr, err_ptr, rank,
-    budget, T, H, K_top, stride_ym,
-    W: tl.constexpr, HAS_W: tl.constexpr, SAVE_O: tl.constexpr,
-    BT: tl.constexpr, BN: tl.constexpr, USE_TIMER: tl.constexpr,
+    comb_local,
+    slot_of_ptr,
+    wts_ptr,
+    y_ptr,
+    o_ptr,
+    done_local,
+    n_kept_ptr,
+    err_ptr,
+    rank,
+    budget,
+    T,
+    H,
+    K_top,
+    stride_ym,
+    W: tl.constexpr,
+    HAS_W: tl.constexpr,
+    SAVE_O: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -120,8 +164,9 @@ def _combine_kernel(
         cmask = cols < H
         bad = tl.zeros((), tl.int32)
         if W > 1:
-            ok = wait_geq(done_local + nt, need, err_ptr, rank, STAGE_COMBINE, nt, budget,
-                          USE_TIMER)
+            ok = wait_geq(
+                done_local + nt, need, err_ptr, rank, STAGE_COMBINE, nt, budget, USE_TIMER
+            )
             bad = tl.where(ok, 0, 1)
         acc = tl.zeros((BT, BN), dtype=tl.float32)
         for k in range(0, K_top):
@@ -138,5 +183,8 @@ def _combine_kernel(
             acc += v
         if bad > 0:
             acc = tl.full((BT, BN), float("nan"), tl.float32)
-        tl.store(y_ptr + toks.to(tl.int64)[:, None] * stride_ym + cols[None, :],
-                 acc.to(y_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
+        tl.store(
+            y_ptr + toks.to(tl.int64)[:, None] * stride_ym + cols[None, :],
+            acc.to(y_ptr.dtype.element_ty),
+            mask=tmask[:, None] & cmask[None, :],
+        )

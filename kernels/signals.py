@@ -116,8 +116,9 @@ def _ready_kernel(pad_table_ptr, epoch_ptr, rank, world_size):
 
 
 @triton.jit(do_not_specialize=["target", "rank", "index", "budget"])
-def _wait_kernel(flag_ptr, target, err_ptr, out_ptr, rank, stage, index, budget,
-                 USE_TIMER: tl.constexpr):
+def _wait_kernel(
+    flag_ptr, target, err_ptr, out_ptr, rank, stage, index, budget, USE_TIMER: tl.constexpr
+):
     ok = wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER)
     tl.store(out_ptr, ok.to(tl.int32))
 
@@ -129,5 +130,6 @@ def publish_ready(pad_table, epoch, rank: int, world_size: int):
 
 def wait_flag(flag, target, err, out, rank, stage, index, budget, use_timer):
     """Launch one bounded wait on ``flag[0] >= target``; ``out[0]`` gets 1 on success."""
-    launch(_wait_kernel, (1,), flag, target, err, out, rank, stage, index, budget,
-           USE_TIMER=use_timer)
+    launch(
+        _wait_kernel, (1,), flag, target, err, out, rank, stage, index, budget, USE_TIMER=use_timer
+    )

@@ -23,9 +23,23 @@ STAGE_CONSUME = tl.constexpr(2)
 
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _push_allreduce_kernel(
-    x_ptr, out_ptr, buf_local, buf_table, flag_table, flags_local, pad_local, epoch_ptr, err_ptr,
-    M, N, rank, budget,
-    W: tl.constexpr, ROLE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    buf_local,
+    buf_table,
+    flag_table,
+    flags_local,
+    pad_local,
+    epoch_ptr,
+    err_ptr,
+    M,
+    N,
+    rank,
+    budget,
+    W: tl.constexpr,
+    ROLE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -53,8 +67,16 @@ def _push_allreduce_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         nbad = tl.zeros((), tl.int32)
         for s in range(W):
-            ok = wait_geq(flags_local + s * n_tiles + t, 1, err_ptr, rank, STAGE_CONSUME,
-                          s * n_tiles + t, budget, USE_TIMER)
+            ok = wait_geq(
+                flags_local + s * n_tiles + t,
+                1,
+                err_ptr,
+                rank,
+                STAGE_CONSUME,
+                s * n_tiles + t,
+                budget,
+                USE_TIMER,
+            )
             nbad += tl.where(ok, 0, 1)
             part = tl.load(buf_local + s * M * N + offs, mask=mask, other=0.0)
             acc += part.to(tl.float32)
@@ -63,15 +85,48 @@ def _push_allreduce_kernel(
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_push_allreduce(x, out, buf_local, buf_table, flag_table, flags_local, pad_local, epoch, err,
-                          rank, world_size, budget, role, use_timer, block=(16, 32)):
+def launch_push_allreduce(
+    x,
+    out,
+    buf_local,
+    buf_table,
+    flag_table,
+    flags_local,
+    pad_local,
+    epoch,
+    err,
+    rank,
+    world_size,
+    budget,
+    role,
+    use_timer,
+    block=(16, 32),
+):
     """Launch one role (0 both, 1 producer, 2 consumer) of the toy all-reduce."""
     M, N = x.shape
     BM, BN = block
     n_tiles = triton.cdiv(M, BM) * triton.cdiv(N, BN)
     grid = (2 * n_tiles if role == 0 else n_tiles,)
     launch(
-        _push_allreduce_kernel, grid, x, out, buf_local, buf_table, flag_table, flags_local, pad_local, epoch, err, M, N, rank, budget,
-        W=world_size, ROLE=role, BM=BM, BN=BN, USE_TIMER=use_timer,
+        _push_allreduce_kernel,
+        grid,
+        x,
+        out,
+        buf_local,
+        buf_table,
+        flag_table,
+        flags_local,
+        pad_local,
+        epoch,
+        err,
+        M,
+        N,
+        rank,
+        budget,
+        W=world_size,
+        ROLE=role,
+        BM=BM,
+        BN=BN,
+        USE_TIMER=use_timer,
     )
     return n_tiles

@@ -36,7 +36,8 @@ class CommTimeoutError(RuntimeError):
         super().__init__(
             f"rank {rank}: wait timed out in {name}: flag {index} expected >= {expected}, "
             f"saw {seen}. A peer did not produce in time (crashed, hung, or launched a different "
-            f"op); raise MOE_OVERLAP_WAIT_TIMEOUT_S if the peer is merely slow (JIT compile)."
+            f"op); if the peer is merely slow (JIT compile), raise the budget: "
+            f"MOE_OVERLAP_WAIT_TIMEOUT_S on the GPU, MOE_OVERLAP_WAIT_ITERS in the interpreter."
         )
 
 

@@ -29,8 +29,16 @@ def tolerance(dtype: torch.dtype) -> dict:
     return dict(TOLERANCES[dtype])
 
 
-def spawn(world_size: int, fn, *args, device="cpu", mode: str = "sequential",
-          timeout: float = 300.0, seed: int = 0, **kwargs):
+def spawn(
+    world_size: int,
+    fn,
+    *args,
+    device="cpu",
+    mode: str = "sequential",
+    timeout: float = 300.0,
+    seed: int = 0,
+    **kwargs,
+):
     """Run ``fn(world, *args, **kwargs)`` on ``world_size`` emulated ranks; list of results."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -89,7 +97,8 @@ def spawn(world_size: int, fn, *args, device="cpu", mode: str = "sequential",
 
 def randn(shape, dtype=torch.float32, device="cpu", generator=None, scale: float = 1.0):
     """Fresh random normal data (generated in fp32 on the CPU, so every device sees the same)."""
-    t = torch.randn(*shape, generator=generator, dtype=torch.float32) * scale
+    gen_device = generator.device if generator is not None else torch.device("cpu")
+    t = torch.randn(*shape, generator=generator, dtype=torch.float32, device=gen_device) * scale
     return t.to(dtype=dtype, device=device)
 
 
@@ -102,8 +111,15 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, rtol=None, atol=None,
-                 name: str = "output", max_report: int = 5):
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype=None,
+    rtol=None,
+    atol=None,
+    name: str = "output",
+    max_report: int = 5,
+):
     """Compare against a (float64) reference with a report that says where and how much.
 
     Passes when every element satisfies ``|a - e| <= atol * scale + rtol * |e|`` where
@@ -111,8 +127,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, rtol=
     no NaN/inf appears where the reference is finite.
     """
     if actual.shape != expected.shape:
-        raise AssertionError(f"{name}: shape {tuple(actual.shape)} != expected "
-                             f"{tuple(expected.shape)}")
+        raise AssertionError(
+            f"{name}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}"
+        )
     dtype = dtype or actual.dtype
     tol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
     rtol = tol["rtol"] if rtol is None else rtol
@@ -129,8 +146,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype=None, rtol=
     if bad.any():
         n = int(bad.sum())
         idx = bad.nonzero()[:max_report]
-        rows = [f"  at {tuple(i.tolist())}: got {a[tuple(i)].item():.6g}, "
-                f"expected {e[tuple(i)].item():.6g}" for i in idx]
+        rows = [
+            f"  at {tuple(i.tolist())}: got {a[tuple(i)].item():.6g}, "
+            f"expected {e[tuple(i)].item():.6g}"
+            for i in idx
+        ]
         rel = (diff.nan_to_num(float("inf")).norm() / (e.norm() + 1e-30)).item()
         raise AssertionError(
             f"{name}: {n} of {a.numel()} elements differ ({int(bad_nonfinite.sum())} "

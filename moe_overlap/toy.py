@@ -45,8 +45,20 @@ def push_allreduce(x: torch.Tensor, world: World) -> torch.Tensor:
 
     def launch(role):
         launch_push_allreduce(
-            x, out, buf.local, buf.ptrs, flags.ptrs, flags.local, pad_local, epoch,
-            world.error_buffer, world.rank, W, world.wait_budget, role, world.use_timer,
+            x,
+            out,
+            buf.local,
+            buf.ptrs,
+            flags.ptrs,
+            flags.local,
+            pad_local,
+            epoch,
+            world.error_buffer,
+            world.rank,
+            W,
+            world.wait_budget,
+            role,
+            world.use_timer,
             block=_BLOCK,
         )
 

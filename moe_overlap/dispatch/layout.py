@@ -96,17 +96,35 @@ def exchange_counts(counts: torch.Tensor, world: World) -> torch.Tensor:
     out = torch.empty(W, E, dtype=torch.int32, device=counts.device)
 
     def launch(role):
-        launch_count_exchange(counts, out, buf.local, buf.ptrs, flags.local, flags.ptrs,
-                              pad_local, epoch, world.error_buffer, world.rank, W,
-                              world.wait_budget, role, world.use_timer)
+        launch_count_exchange(
+            counts,
+            out,
+            buf.local,
+            buf.ptrs,
+            flags.local,
+            flags.ptrs,
+            pad_local,
+            epoch,
+            world.error_buffer,
+            world.rank,
+            W,
+            world.wait_budget,
+            role,
+            world.use_timer,
+        )
 
     world.run_fused(launch)
     world.end_op()
     return out
 
 
-def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m: int,
-                 max_tokens_per_rank: int | None = None) -> Layout:
+def build_layout(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    world: World,
+    block_m: int,
+    max_tokens_per_rank: int | None = None,
+) -> Layout:
     """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
     device = topk_ids.device
     W, rank, E = world.world_size, world.rank, num_experts
@@ -156,8 +174,11 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
     exact = max_tokens_per_rank is None
     if exact:
         # The one host sync of exact sizing (see module docstring).
-        host = torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1),
-                          cnt64.min().view(1)]).cpu().tolist()
+        host = (
+            torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1), cnt64.min().view(1)])
+            .cpu()
+            .tolist()
+        )
         if host[-1] < 0:  # the count exchange timed out: raise its record, never use -1s
             world.check()
             raise RuntimeError(f"rank {rank}: the count exchange returned negative counts")
@@ -228,15 +249,35 @@ def build_layout(topk_ids: torch.Tensor, num_experts: int, world: World, block_m
     n_tiles = (rows_pad[rank] // block_m).to(i32).view(1)
 
     return Layout(
-        world_size=W, rank=rank, num_experts=E, local_experts=El, top_k=K, num_tokens=T,
-        block_m=block_m, rows_cap=rows_cap, rows_cap_max=rows_cap_max,
-        slots_cap_max=max(slots_cap_max, 1), chunks_cap=chunks_cap, tiles_cap=tiles_cap,
-        counts=counts, cnt_all=cnt_all, sorted_assign=order.to(i32), slot_of=slot_of,
-        n_kept=n_kept, chunks=chunks, n_chunks=n_chunks,
-        row_tok=tok.to(i32), row_src=row_src.to(i32), row_local_expert=row_l.to(i32),
-        row_slot=row_slot.to(i32), expert_end=(my_base + my_tot).to(i32),
-        expert_start=my_base.to(i32), slice_off=my_off.to(i32).contiguous(),
-        slice_cnt=my_cnt.to(i32).contiguous(), n_tiles=n_tiles, recv_rows=my_tot.to(i32),
+        world_size=W,
+        rank=rank,
+        num_experts=E,
+        local_experts=El,
+        top_k=K,
+        num_tokens=T,
+        block_m=block_m,
+        rows_cap=rows_cap,
+        rows_cap_max=rows_cap_max,
+        slots_cap_max=max(slots_cap_max, 1),
+        chunks_cap=chunks_cap,
+        tiles_cap=tiles_cap,
+        counts=counts,
+        cnt_all=cnt_all,
+        sorted_assign=order.to(i32),
+        slot_of=slot_of,
+        n_kept=n_kept,
+        chunks=chunks,
+        n_chunks=n_chunks,
+        row_tok=tok.to(i32),
+        row_src=row_src.to(i32),
+        row_local_expert=row_l.to(i32),
+        row_slot=row_slot.to(i32),
+        expert_end=(my_base + my_tot).to(i32),
+        expert_start=my_base.to(i32),
+        slice_off=my_off.to(i32).contiguous(),
+        slice_cnt=my_cnt.to(i32).contiguous(),
+        n_tiles=n_tiles,
+        recv_rows=my_tot.to(i32),
     )
 
 

@@ -39,7 +39,8 @@ import os
 import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
-from ..kernels.launch import launch as _launch, warmup_only
+from ..kernels.launch import launch as _launch
+from ..kernels.launch import warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..world import WorkspacePlan, World, interpreted, launch_lock
@@ -94,8 +95,13 @@ def _programs(world: World, total: int) -> int:
 
 # ------------------------------------------------------------------------------- checks
 def _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2):
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("w1", w1), ("w2", w2)):
+    for name, t in (
+        ("x", x),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+        ("w1", w1),
+        ("w2", w2),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if activation not in ACT_CODES or activation == "none":
@@ -113,53 +119,68 @@ def _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2):
     if K < 1:
         raise ValueError("topk_ids must have at least one column")
     if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_weights must be [T, K] = {tuple(topk_ids.shape)}, got "
-                         f"{tuple(topk_weights.shape)}")
+        raise ValueError(
+            f"topk_weights must be [T, K] = {tuple(topk_ids.shape)}, got "
+            f"{tuple(topk_weights.shape)}"
+        )
     if not topk_weights.is_floating_point():
         raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
     if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"w1 must be [El, 2F or F, H] and w2 [El, H, F]; got {tuple(w1.shape)} "
-                         f"and {tuple(w2.shape)}")
+        raise ValueError(
+            f"w1 must be [El, 2F or F, H] and w2 [El, H, F]; got {tuple(w1.shape)} "
+            f"and {tuple(w2.shape)}"
+        )
     El, H2, F = w2.shape
     rows = 2 * F if activation == "swiglu" else F
     if H2 != H:
         raise ValueError(f"w2 must be [El, H={H}, F], got {tuple(w2.shape)} (hidden size mismatch)")
     if tuple(w1.shape) != (El, rows, H):
-        raise ValueError(f"w1 must be [El={El}, {rows}, H={H}] for activation {activation!r}, got "
-                         f"{tuple(w1.shape)}")
+        raise ValueError(
+            f"w1 must be [El={El}, {rows}, H={H}] for activation {activation!r}, got "
+            f"{tuple(w1.shape)}"
+        )
     for name, t in (("w1", w1), ("w2", w2)):
         if t.dtype != x.dtype:
             raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
-    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights),
-                    ("w1", w1), ("w2", w2)):
+    for name, t in (
+        ("x", x),
+        ("topk_ids", topk_ids),
+        ("topk_weights", topk_weights),
+        ("w1", w1),
+        ("w2", w2),
+    ):
         if t.device != world.device:
             raise ValueError(f"{name} is on {t.device} but the world is on {world.device}")
     if b1 is not None:
         if not isinstance(b1, torch.Tensor) or tuple(b1.shape) != (El, rows):
-            raise ValueError(f"b1 must be [El={El}, {rows}], got "
-                             f"{getattr(b1, 'shape', type(b1).__name__)}")
+            raise ValueError(
+                f"b1 must be [El={El}, {rows}], got {getattr(b1, 'shape', type(b1).__name__)}"
+            )
         if b1.device != world.device:
             raise ValueError(f"b1 is on {b1.device} but the world is on {world.device}")
     if b2 is not None:
         if not isinstance(b2, torch.Tensor) or tuple(b2.shape) != (El, H):
-            raise ValueError(f"b2 must be [El={El}, H={H}], got "
-                             f"{getattr(b2, 'shape', type(b2).__name__)}")
+            raise ValueError(
+                f"b2 must be [El={El}, H={H}], got {getattr(b2, 'shape', type(b2).__name__)}"
+            )
         if b2.device != world.device:
             raise ValueError(f"b2 is on {b2.device} but the world is on {world.device}")
     E = El * world.world_size
     if topk_ids.numel() and world.device.type != "cuda" and not torch.compiler.is_compiling():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
         if lo < -1 or hi >= E:
-            raise ValueError(f"topk_ids must be in [-1, {E}) (E = El * world_size), found "
-                             f"values in [{lo}, {hi}]")
+            raise ValueError(
+                f"topk_ids must be in [-1, {E}) (E = El * world_size), found values in [{lo}, {hi}]"
+            )
     return T, H, F, El, K, E
 
 
 def check_ids_on_device(topk_ids, E):
     """On the GPU, range-check ids without a host sync: bad ids become an async error."""
     if topk_ids.numel():
-        torch._assert_async(((topk_ids >= -1) & (topk_ids < E)).all(),
-                            "topk_ids out of range [-1, E)")
+        torch._assert_async(
+            ((topk_ids >= -1) & (topk_ids < E)).all(), "topk_ids out of range [-1, E)"
+        )
 
 
 # ------------------------------------------------------------------------------- plans
@@ -175,15 +196,19 @@ def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype):
     return recv, slot, comb
 
 
-def dispatch_layout(topk_ids: torch.Tensor, num_experts: int, world: World,
-                    max_tokens_per_rank: int | None = None) -> Layout:
+def dispatch_layout(
+    topk_ids: torch.Tensor, num_experts: int, world: World, max_tokens_per_rank: int | None = None
+) -> Layout:
     """Routing layout of ``topk_ids [T, K]`` over ``world`` (count exchange included)."""
     if num_experts % world.world_size:
-        raise ValueError(f"num_experts {num_experts} must be divisible by world_size "
-                         f"{world.world_size}")
+        raise ValueError(
+            f"num_experts {num_experts} must be divisible by world_size {world.world_size}"
+        )
     if max_tokens_per_rank is not None and topk_ids.shape[0] > max_tokens_per_rank:
-        raise ValueError(f"{topk_ids.shape[0]} tokens on rank {world.rank} exceed "
-                         f"max_tokens_per_rank={max_tokens_per_rank}")
+        raise ValueError(
+            f"{topk_ids.shape[0]} tokens on rank {world.rank} exceed "
+            f"max_tokens_per_rank={max_tokens_per_rank}"
+        )
     return build_layout(topk_ids, num_experts, world, block_m(), max_tokens_per_rank)
 
 
@@ -192,8 +217,21 @@ def _dummy(device, dtype=torch.int32):
 
 
 # ------------------------------------------------------------------------------- layer 0
-def _launch_layer0(x, layout, w, world, act, bias=None, scale=None, row_scale=None,
-                   save_gu=False, n_out=None, stride_wn=None, stride_wk=None, stage_ws=None):
+def _launch_layer0(
+    x,
+    layout,
+    w,
+    world,
+    act,
+    bias=None,
+    scale=None,
+    row_scale=None,
+    save_gu=False,
+    n_out=None,
+    stride_wn=None,
+    stride_wk=None,
+    stage_ws=None,
+):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
     ``w`` is indexed ``w[l, n, k]`` through ``stride_wn`` / ``stride_wk`` (so a transposed view
@@ -221,33 +259,72 @@ def _launch_layer0(x, layout, w, world, act, bias=None, scale=None, row_scale=No
     total = layout.tiles_cap * n_n
     n_comm = 0
     if W > 1:
-        n_comm = min(layout.chunks_cap, 2 if interpreted() else
-                     max(1, getattr(world, "max_programs", 132) // 8))
-    n_gemm = _programs(world, total) if interpreted() else max(
-        1, min(total, getattr(world, "max_programs", 132) - n_comm))
+        n_comm = min(
+            layout.chunks_cap,
+            2 if interpreted() else max(1, getattr(world, "max_programs", 132) // 8),
+        )
+    n_gemm = (
+        _programs(world, total)
+        if interpreted()
+        else max(1, min(total, getattr(world, "max_programs", 132) - n_comm))
+    )
     di = _dummy(device)
     df = _dummy(device, x.dtype)
     args = dict(
-        x_ptr=x, scale_ptr=scale if scale is not None else df,
-        sorted_ptr=layout.sorted_assign, chunk_ptr=layout.chunks, n_chunks_ptr=layout.n_chunks,
-        recv_table=recv.ptrs, slot_table=slot.ptrs,
-        flag_table=flags.ptrs if flags is not None else _dummy(device, torch.int64), pad_local=pad_local,
-        epoch_ptr=epoch, recv_local=recv.local, row_tok_ptr=layout.row_tok,
-        row_l_ptr=layout.row_local_expert, exp_end_ptr=layout.expert_end,
-        n_tiles_ptr=layout.n_tiles, slice_off_ptr=layout.slice_off,
-        slice_cnt_ptr=layout.slice_cnt, flags_local=flags.local if flags is not None else di,
+        x_ptr=x,
+        scale_ptr=scale if scale is not None else df,
+        sorted_ptr=layout.sorted_assign,
+        chunk_ptr=layout.chunks,
+        n_chunks_ptr=layout.n_chunks,
+        recv_table=recv.ptrs,
+        slot_table=slot.ptrs,
+        flag_table=flags.ptrs if flags is not None else _dummy(device, torch.int64),
+        pad_local=pad_local,
+        epoch_ptr=epoch,
+        recv_local=recv.local,
+        row_tok_ptr=layout.row_tok,
+        row_l_ptr=layout.row_local_expert,
+        exp_end_ptr=layout.expert_end,
+        n_tiles_ptr=layout.n_tiles,
+        slice_off_ptr=layout.slice_off,
+        slice_cnt_ptr=layout.slice_cnt,
+        flags_local=flags.local if flags is not None else di,
         row_scale_ptr=row_scale if row_scale is not None else df,
-        w_ptr=w, b_ptr=bias if bias is not None else df, out_ptr=out,
-        gu_ptr=gu if gu is not None else df, err_ptr=world.error_buffer, rank=world.rank,
-        budget=world.wait_budget, n_comm=n_comm, H=H, N=N, K_top=layout.top_k,
-        stride_xt=x.stride(0), stride_we=w.stride(0), stride_wn=stride_wn, stride_wk=stride_wk,
-        stride_be=bias.stride(0) if bias is not None else 0, stride_om=out.stride(0),
+        w_ptr=w,
+        b_ptr=bias if bias is not None else df,
+        out_ptr=out,
+        gu_ptr=gu if gu is not None else df,
+        err_ptr=world.error_buffer,
+        rank=world.rank,
+        budget=world.wait_budget,
+        n_comm=n_comm,
+        H=H,
+        N=N,
+        K_top=layout.top_k,
+        stride_xt=x.stride(0),
+        stride_we=w.stride(0),
+        stride_wn=stride_wn,
+        stride_wk=stride_wk,
+        stride_be=bias.stride(0) if bias is not None else 0,
+        stride_om=out.stride(0),
         stride_gm=gu.stride(0) if gu is not None else 0,
-        W=W, El=layout.local_experts, ACT=ACT_CODES[act], HAS_BIAS=bias is not None,
-        SAVE_GU=save_gu, HAS_SCALE=scale is not None, ROW_SCALE=row_scale is not None,
-        EVEN_K=H % cfg["BK"] == 0, BM=BM, BN=cfg["BN"], BK=cfg["BK"], CH=CHUNK,
-        BH=32 if interpreted() else 128, GROUP_M=8, USE_TIMER=world.use_timer,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        W=W,
+        El=layout.local_experts,
+        ACT=ACT_CODES[act],
+        HAS_BIAS=bias is not None,
+        SAVE_GU=save_gu,
+        HAS_SCALE=scale is not None,
+        ROW_SCALE=row_scale is not None,
+        EVEN_K=H % cfg["BK"] == 0,
+        BM=BM,
+        BN=cfg["BN"],
+        BK=cfg["BK"],
+        CH=CHUNK,
+        BH=32 if interpreted() else 128,
+        GROUP_M=8,
+        USE_TIMER=world.use_timer,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
     def launch(role):
@@ -288,8 +365,21 @@ def _gather_rows(layout: Layout, x, recv, row_scale=None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------- layer 1
-def _launch_layer1(h, layout, w, world, bias, weights, row_slot, stage_ws, k_dim, n_out,
-                   stride_wn, stride_wk, save_o=False):
+def _launch_layer1(
+    h,
+    layout,
+    w,
+    world,
+    bias,
+    weights,
+    row_slot,
+    stage_ws,
+    k_dim,
+    n_out,
+    stride_wn,
+    stride_wk,
+    save_o=False,
+):
     """Grouped GEMM ``h @ w[l]^T`` whose rows go to their source ranks, then the reduction
     ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
     device = h.device
@@ -323,24 +413,68 @@ def _launch_layer1(h, layout, w, world, bias, weights, row_slot, stage_ws, k_dim
     def launch(role):
         if role in (0, 1):
             _launch(
-                _layer1_gemm_kernel, (n_gemm,), h, w, bias if bias is not None else df, layout.row_local_expert,
-                layout.expert_end, layout.n_tiles, layout.row_src, row_slot, comb_local,
-                comb_table, flags.ptrs if flags is not None else _dummy(device, torch.int64),
-                pad_local, epoch, world.error_buffer, world.rank, world.wait_budget,
-                k_dim, H, h.stride(0), w.stride(0), stride_wn, stride_wk,
+                _layer1_gemm_kernel,
+                (n_gemm,),
+                h,
+                w,
+                bias if bias is not None else df,
+                layout.row_local_expert,
+                layout.expert_end,
+                layout.n_tiles,
+                layout.row_src,
+                row_slot,
+                comb_local,
+                comb_table,
+                flags.ptrs if flags is not None else _dummy(device, torch.int64),
+                pad_local,
+                epoch,
+                world.error_buffer,
+                world.rank,
+                world.wait_budget,
+                k_dim,
+                H,
+                h.stride(0),
+                w.stride(0),
+                stride_wn,
+                stride_wk,
                 bias.stride(0) if bias is not None else 0,
-                W=W, HAS_BIAS=bias is not None, EVEN_K=k_dim % cfg["BK"] == 0,
-                ES=h.element_size(), BM=BM, BN=cfg["BN"], BK=cfg["BK"], GROUP_M=8,
-                USE_TIMER=world.use_timer, num_warps=cfg["num_warps"],
+                W=W,
+                HAS_BIAS=bias is not None,
+                EVEN_K=k_dim % cfg["BK"] == 0,
+                ES=h.element_size(),
+                BM=BM,
+                BN=cfg["BN"],
+                BK=cfg["BK"],
+                GROUP_M=8,
+                USE_TIMER=world.use_timer,
+                num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )
         if role in (0, 2) and n_red:
             _launch(
-                _combine_kernel, (n_red,), comb_local, layout.slot_of, weights if weights is not None else df, y,
-                o if o is not None else df, flags.local if flags is not None else di,
-                layout.n_kept, world.error_buffer, world.rank, world.wait_budget, T, H, K,
-                y.stride(0), W=W, HAS_W=weights is not None, SAVE_O=save_o, BT=BT,
-                BN=cfg["BN"], USE_TIMER=world.use_timer, num_warps=4,
+                _combine_kernel,
+                (n_red,),
+                comb_local,
+                layout.slot_of,
+                weights if weights is not None else df,
+                y,
+                o if o is not None else df,
+                flags.local if flags is not None else di,
+                layout.n_kept,
+                world.error_buffer,
+                world.rank,
+                world.wait_budget,
+                T,
+                H,
+                K,
+                y.stride(0),
+                W=W,
+                HAS_W=weights is not None,
+                SAVE_O=save_o,
+                BT=BT,
+                BN=cfg["BN"],
+                USE_TIMER=world.use_timer,
+                num_warps=4,
             )
 
     if W > 1:
@@ -383,8 +517,7 @@ def _act_backward(d_h, gu, activation, valid):
 
 def _expert_sum(rows, layout: Layout):
     """Per-local-expert sum of ``rows [R, N]`` (padding rows must be zero) -> ``[El, N]``."""
-    out = torch.zeros(layout.local_experts, rows.shape[1], dtype=torch.float32,
-                      device=rows.device)
+    out = torch.zeros(layout.local_experts, rows.shape[1], dtype=torch.float32, device=rows.device)
     return out.index_add_(0, layout.row_local_expert.long(), rows.float())
 
 
@@ -396,12 +529,18 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype):
     El = layout.local_experts
     BM = layout.block_m
     A, B = a_rows.shape[1], b_rows.shape[1]
-    if (a_rows.is_cuda and a_rows.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and A % 8 == 0 and B % 8 == 0):
+    if (
+        a_rows.is_cuda
+        and a_rows.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and A % 8 == 0
+        and B % 8 == 0
+    ):
         ends = layout.expert_start + (layout.expert_end - layout.expert_start + BM - 1) // BM * BM
         try:
-            return torch._grouped_mm(a_rows.t(), b_rows, offs=ends.to(torch.int32),
-                                     out_dtype=out_dtype)
+            return torch._grouped_mm(
+                a_rows.t(), b_rows, offs=ends.to(torch.int32), out_dtype=out_dtype
+            )
         except (RuntimeError, TypeError):
             pass
     out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
@@ -431,14 +570,38 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     H = x.shape[1]
     F = w2.shape[2]
     ws = _workspace(world, layout, H, x.dtype)
-    h, gu = _launch_layer0(x, layout, w1, world, activation, bias=b1, save_gu=need_grad, n_out=F,
-                           stride_wn=w1.stride(1), stride_wk=w1.stride(2), stage_ws=ws)
+    h, gu = _launch_layer0(
+        x,
+        layout,
+        w1,
+        world,
+        activation,
+        bias=b1,
+        save_gu=need_grad,
+        n_out=F,
+        stride_wn=w1.stride(1),
+        stride_wk=w1.stride(2),
+        stage_ws=ws,
+    )
     row_slot = _row_slots(layout, ws[1])
     # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
     x_rows = _gather_rows(layout, x, ws[0]) if need_grad else None
     wflat = topk_weights.contiguous().view(-1)
-    y, o = _launch_layer1(h, layout, w2, world, b2, wflat, row_slot, ws, k_dim=F, n_out=H,
-                          stride_wn=w2.stride(1), stride_wk=w2.stride(2), save_o=need_grad)
+    y, o = _launch_layer1(
+        h,
+        layout,
+        w2,
+        world,
+        b2,
+        wflat,
+        row_slot,
+        ws,
+        k_dim=F,
+        n_out=H,
+        stride_wn=w2.stride(1),
+        stride_wk=w2.stride(2),
+        save_o=need_grad,
+    )
     saved = None
     if need_grad:
         saved = dict(h=h, gu=gu, x_rows=x_rows, o=o, row_slot=row_slot)
@@ -454,20 +617,40 @@ def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws
     wflat = topk_weights.contiguous().view(-1)
     with warmup_only():
         row_scale = torch.empty(layout.rows_cap, dtype=torch.float32, device=x.device)
-        _launch_layer0(torch.empty_like(x), layout, w2, world, "none", scale=wflat,
-                       row_scale=row_scale, n_out=F, stride_wn=w2.stride(2),
-                       stride_wk=w2.stride(1), stage_ws=ws)
+        _launch_layer0(
+            torch.empty_like(x),
+            layout,
+            w2,
+            world,
+            "none",
+            scale=wflat,
+            row_scale=row_scale,
+            n_out=F,
+            stride_wn=w2.stride(2),
+            stride_wk=w2.stride(1),
+            stage_ws=ws,
+        )
         d_gu = torch.empty_like(saved["gu"])
-        _launch_layer1(d_gu, layout, w1, world, None, None, saved["row_slot"], ws,
-                       k_dim=d_gu.shape[1], n_out=H, stride_wn=w1.stride(2),
-                       stride_wk=w1.stride(1))
+        _launch_layer1(
+            d_gu,
+            layout,
+            w1,
+            world,
+            None,
+            None,
+            saved["row_slot"],
+            ws,
+            k_dim=d_gu.shape[1],
+            n_out=H,
+            stride_wn=w1.stride(2),
+            stride_wk=w1.stride(1),
+        )
 
 
 def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
     world.in_backward = True
     try:
-        return _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act,
-                              x_dtype)
+        return _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype)
     finally:
         world.in_backward = False
 
@@ -495,11 +678,20 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
         w_local = wflat.float().index_select(0, a_local)
     else:
         w_local = torch.zeros_like(tok, dtype=torch.float32)
-    row_scale = torch.where(tok >= 0, w_local,
-                            torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
-    d_h, _ = _launch_layer0(dy, layout, w2, world, "none", scale=wflat, row_scale=row_scale,
-                            n_out=F, stride_wn=w2.stride(2), stride_wk=w2.stride(1),
-                            stage_ws=ws)
+    row_scale = torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+    d_h, _ = _launch_layer0(
+        dy,
+        layout,
+        w2,
+        world,
+        "none",
+        scale=wflat,
+        row_scale=row_scale,
+        n_out=F,
+        stride_wn=w2.stride(2),
+        stride_wk=w2.stride(1),
+        stage_ws=ws,
+    )
     g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
     d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
@@ -507,8 +699,20 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
     d_gu = _act_backward(_mask_rows(d_h, valid), gu, act, valid).to(dy.dtype)
     n_in = d_gu.shape[1]
-    dx, _ = _launch_layer1(d_gu, layout, w1, world, None, None, row_slot, ws, k_dim=n_in,
-                           n_out=H, stride_wn=w1.stride(2), stride_wk=w1.stride(1))
+    dx, _ = _launch_layer1(
+        d_gu,
+        layout,
+        w1,
+        world,
+        None,
+        None,
+        row_slot,
+        ws,
+        k_dim=n_in,
+        n_out=H,
+        stride_wn=w1.stride(2),
+        stride_wk=w1.stride(1),
+    )
     d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype)
     d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
     return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2
@@ -530,8 +734,19 @@ class _FusedExpertsFn(torch.autograd.Function):
     def backward(ctx, dy):
         topk_weights, w1, w2, b1, b2, *rest = ctx.saved_tensors
         saved = dict(zip(ctx.saved_keys, rest))
-        grads = _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, ctx.world, ctx.layout,
-                               ctx.activation, ctx.x_dtype)
+        grads = _backward_impl(
+            dy,
+            saved,
+            topk_weights,
+            w1,
+            w2,
+            b1,
+            b2,
+            ctx.world,
+            ctx.layout,
+            ctx.activation,
+            ctx.x_dtype,
+        )
         return (*grads, None, None, None)
 
 
@@ -543,8 +758,18 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
     H = x.shape[1]
     F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
     ws = _workspace(world, layout, H, x.dtype)
-    h, _ = _launch_layer0(x.contiguous(), layout, w1, world, activation, bias=b1, n_out=F,
-                          stride_wn=w1.stride(1), stride_wk=w1.stride(2), stage_ws=ws)
+    h, _ = _launch_layer0(
+        x.contiguous(),
+        layout,
+        w1,
+        world,
+        activation,
+        bias=b1,
+        n_out=F,
+        stride_wn=w1.stride(1),
+        stride_wk=w1.stride(2),
+        stage_ws=ws,
+    )
     layout._row_slot_full = _row_slots(layout, ws[1])
     return h
 
@@ -554,14 +779,35 @@ def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None):
     H, F = w2.shape[1], w2.shape[2]
     ws = _workspace(world, layout, H, h.dtype)
     row_slot = getattr(layout, "_row_slot_full", layout.row_slot)
-    y, _ = _launch_layer1(h, layout, w2, world, b2, topk_weights.contiguous().view(-1), row_slot,
-                          ws, k_dim=F, n_out=H, stride_wn=w2.stride(1), stride_wk=w2.stride(2))
+    y, _ = _launch_layer1(
+        h,
+        layout,
+        w2,
+        world,
+        b2,
+        topk_weights.contiguous().view(-1),
+        row_slot,
+        ws,
+        k_dim=F,
+        n_out=H,
+        stride_wn=w2.stride(1),
+        stride_wk=w2.stride(2),
+    )
     return y
 
 
-def fused_experts(x, topk_ids, topk_weights, w1, w2, world: World | None = None,
-                  activation: str = "swiglu", b1=None, b2=None,
-                  max_tokens_per_rank: int | None = None):
+def fused_experts(
+    x,
+    topk_ids,
+    topk_weights,
+    w1,
+    w2,
+    world: World | None = None,
+    activation: str = "swiglu",
+    b1=None,
+    b2=None,
+    max_tokens_per_rank: int | None = None,
+):
     """``y [T, H] = sum_k topk_weights[:, k] * expert_{topk_ids[:, k]}(x)`` over an EP world.
 
     Args:
@@ -579,18 +825,33 @@ def fused_experts(x, topk_ids, topk_weights, w1, w2, world: World | None = None,
     from ..world import default_world
 
     world = world if world is not None else default_world()
-    T, H, F, El, K, E = _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation,
-                                      b1, b2)
+    T, H, F, El, K, E = _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2)
     if world.device.type == "cuda":
         check_ids_on_device(topk_ids, E)
     if torch.compiler.is_compiling():
         from .ops import fused_experts_op
 
-        return fused_experts_op(x, topk_ids, topk_weights, w1, w2, b1, b2, world.name,
-                                activation, int(max_tokens_per_rank or 0))
+        return fused_experts_op(
+            x,
+            topk_ids,
+            topk_weights,
+            w1,
+            w2,
+            b1,
+            b2,
+            world.name,
+            activation,
+            int(max_tokens_per_rank or 0),
+        )
     layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank)
     return _FusedExpertsFn.apply(
-        x.contiguous(), topk_weights, w1, w2,
+        x.contiguous(),
+        topk_weights,
+        w1,
+        w2,
         b1.contiguous() if b1 is not None else None,
-        b2.contiguous() if b2 is not None else None, world, layout, activation,
+        b2.contiguous() if b2 is not None else None,
+        world,
+        layout,
+        activation,
     )

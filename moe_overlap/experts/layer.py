@@ -37,9 +37,17 @@ def _act(v, activation):
 class GroupedExperts(nn.Module):
     """The El experts of this rank as two stacked weights (optionally with biases)."""
 
-    def __init__(self, num_local_experts: int, hidden_size: int, ffn_hidden_size: int,
-                 activation: str = "swiglu", bias: bool = False, dtype=None, device=None,
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        bias: bool = False,
+        dtype=None,
+        device=None,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         El, H, F = num_local_experts, hidden_size, ffn_hidden_size
         rows = w1_rows(activation, F)
@@ -68,26 +76,45 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x, topk_ids, topk_weights, world, impl="fused", max_tokens_per_rank=None):
         if impl == "fused":
-            return fused_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj,
-                                 world=world, activation=self.activation, b1=self.gate_up_bias,
-                                 b2=self.down_bias, max_tokens_per_rank=max_tokens_per_rank)
-        return baseline_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj,
-                                world=world, activation=self.activation, b1=self.gate_up_bias,
-                                b2=self.down_bias)
+            return fused_experts(
+                x,
+                topk_ids,
+                topk_weights,
+                self.gate_up_proj,
+                self.down_proj,
+                world=world,
+                activation=self.activation,
+                b1=self.gate_up_bias,
+                b2=self.down_bias,
+                max_tokens_per_rank=max_tokens_per_rank,
+            )
+        return baseline_experts(
+            x,
+            topk_ids,
+            topk_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            world=world,
+            activation=self.activation,
+            b1=self.gate_up_bias,
+            b2=self.down_bias,
+        )
 
 
 class SharedExperts(nn.Module):
     """Shared experts as one dense MLP on the local tokens: ``gate_up_proj [2Fs or Fs, H]``,
     ``down_proj [H, Fs]``."""
 
-    def __init__(self, hidden_size, ffn_size, activation="swiglu", dtype=None, device=None,
-                 generator=None):
+    def __init__(
+        self, hidden_size, ffn_size, activation="swiglu", dtype=None, device=None, generator=None
+    ):
         super().__init__()
         kw = dict(dtype=dtype or torch.float32, device=device)
         self.activation = activation
         self.ffn_size = ffn_size
-        self.gate_up_proj = nn.Parameter(torch.empty(w1_rows(activation, ffn_size), hidden_size,
-                                                     **kw))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(w1_rows(activation, ffn_size), hidden_size, **kw)
+        )
         self.down_proj = nn.Parameter(torch.empty(hidden_size, ffn_size, **kw))
         dev = generator.device if generator is not None else torch.device("cpu")
         with torch.no_grad():
@@ -113,8 +140,15 @@ class MoELayer(nn.Module):
     assignments this rank routed to each global expert.
     """
 
-    def __init__(self, cfg: MoEConfig, world=None, dtype=None, device=None, impl: str = "fused",
-                 generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        world=None,
+        dtype=None,
+        device=None,
+        impl: str = "fused",
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         from ..world import default_world
 
@@ -125,8 +159,9 @@ class MoELayer(nn.Module):
         self.world = world if world is not None else default_world()
         W = self.world.world_size
         if cfg.num_experts % W:
-            raise ValueError(f"num_experts ({cfg.num_experts}) must be divisible by the world "
-                             f"size ({W})")
+            raise ValueError(
+                f"num_experts ({cfg.num_experts}) must be divisible by the world size ({W})"
+            )
         self.cfg = cfg
         self.impl = impl
         device = torch.device(device) if device is not None else self.world.device
@@ -134,13 +169,21 @@ class MoELayer(nn.Module):
             raise ValueError(f"device {device} differs from the world's {self.world.device}")
         El = cfg.num_experts // W
         self.router = Router(cfg, dtype=dtype, device=device, generator=generator)
-        self.experts = GroupedExperts(El, cfg.hidden_size, cfg.ffn_hidden_size, cfg.activation,
-                                      dtype=dtype, device=device, generator=generator)
+        self.experts = GroupedExperts(
+            El,
+            cfg.hidden_size,
+            cfg.ffn_hidden_size,
+            cfg.activation,
+            dtype=dtype,
+            device=device,
+            generator=generator,
+        )
         self.shared_experts = None
         if cfg.n_shared_experts > 0:
             fs = cfg.shared_expert_ffn_size or cfg.n_shared_experts * cfg.ffn_hidden_size
-            self.shared_experts = SharedExperts(cfg.hidden_size, fs, cfg.activation, dtype=dtype,
-                                                device=device, generator=generator)
+            self.shared_experts = SharedExperts(
+                cfg.hidden_size, fs, cfg.activation, dtype=dtype, device=device, generator=generator
+            )
         self.aux_loss = None
         self.expert_counts = None
 
@@ -155,15 +198,23 @@ class MoELayer(nn.Module):
         if x.device != self.world.device:
             raise ValueError(f"x is on {x.device} but the layer's world is on {self.world.device}")
         if x.dtype != self.experts.gate_up_proj.dtype:
-            raise TypeError(f"x dtype {x.dtype} differs from the layer's "
-                            f"{self.experts.gate_up_proj.dtype}")
+            raise TypeError(
+                f"x dtype {x.dtype} differs from the layer's {self.experts.gate_up_proj.dtype}"
+            )
         x2 = x.reshape(-1, cfg.hidden_size)
         if cfg.max_tokens_per_rank is not None and x2.shape[0] > cfg.max_tokens_per_rank:
-            raise ValueError(f"{x2.shape[0]} tokens exceed max_tokens_per_rank="
-                             f"{cfg.max_tokens_per_rank}")
+            raise ValueError(
+                f"{x2.shape[0]} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}"
+            )
         r = self.router(x2)
-        y = self.experts(x2, r.topk_ids, r.topk_weights, self.world, impl=self.impl,
-                         max_tokens_per_rank=cfg.max_tokens_per_rank)
+        y = self.experts(
+            x2,
+            r.topk_ids,
+            r.topk_weights,
+            self.world,
+            impl=self.impl,
+            max_tokens_per_rank=cfg.max_tokens_per_rank,
+        )
         if self.shared_experts is not None:
             y = y + self.shared_experts(x2)
         self.aux_loss = r.aux_loss

@@ -25,15 +25,24 @@ def _opt(t):
 
 
 @torch.library.custom_op("moe_overlap::fused_experts", mutates_args=())
-def fused_experts_op(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                     w1: torch.Tensor, w2: torch.Tensor, b1: torch.Tensor | None,
-                     b2: torch.Tensor | None, world_name: str, activation: str,
-                     max_tokens_per_rank: int) -> torch.Tensor:
+def fused_experts_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    world_name: str,
+    activation: str,
+    max_tokens_per_rank: int,
+) -> torch.Tensor:
     world = get_world(world_name)
     E = w2.shape[0] * world.world_size
     layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
-    y, _ = fused._forward_impl(x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout,
-                               activation, need_grad=False)
+    y, _ = fused._forward_impl(
+        x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=False
+    )
     return y
 
 
@@ -43,35 +52,62 @@ def _(x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, max_tok
 
 
 @torch.library.custom_op("moe_overlap::fused_experts_backward", mutates_args=())
-def fused_experts_backward_op(dy: torch.Tensor, x: torch.Tensor, topk_ids: torch.Tensor,
-                              topk_weights: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                              b1: torch.Tensor | None, b2: torch.Tensor | None, world_name: str,
-                              activation: str, max_tokens_per_rank: int) -> list[torch.Tensor]:
+def fused_experts_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    b1: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    world_name: str,
+    activation: str,
+    max_tokens_per_rank: int,
+) -> list[torch.Tensor]:
     world = get_world(world_name)
     E = w2.shape[0] * world.world_size
     layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
-    _, saved = fused._forward_impl(x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout,
-                                   activation, need_grad=True)
-    dx, dw, d1, d2, db1, db2 = fused._backward_impl(dy, saved, topk_weights, w1, w2, b1, b2,
-                                                    world, layout, activation, x.dtype)
+    _, saved = fused._forward_impl(
+        x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=True
+    )
+    dx, dw, d1, d2, db1, db2 = fused._backward_impl(
+        dy, saved, topk_weights, w1, w2, b1, b2, world, layout, activation, x.dtype
+    )
     # Two distinct empties: outputs of a custom op may not alias each other.
-    return [dx, dw, d1, d2, x.new_empty(0) if db1 is None else db1,
-            x.new_empty(0) if db2 is None else db2]
+    return [
+        dx,
+        dw,
+        d1,
+        d2,
+        x.new_empty(0) if db1 is None else db1,
+        x.new_empty(0) if db2 is None else db2,
+    ]
 
 
 @fused_experts_backward_op.register_fake
-def _(dy, x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation,
-      max_tokens_per_rank):
-    return [torch.empty_like(x), torch.empty_like(topk_weights), torch.empty_like(w1),
-            torch.empty_like(w2), x.new_empty(0) if b1 is None else torch.empty_like(b1),
-            x.new_empty(0) if b2 is None else torch.empty_like(b2)]
+def _(dy, x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, max_tokens_per_rank):
+    return [
+        torch.empty_like(x),
+        torch.empty_like(topk_weights),
+        torch.empty_like(w1),
+        torch.empty_like(w2),
+        x.new_empty(0) if b1 is None else torch.empty_like(b1),
+        x.new_empty(0) if b2 is None else torch.empty_like(b2),
+    ]
 
 
 def _setup(ctx, inputs, output):
     x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, mt = inputs
-    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2,
-                          b1 if b1 is not None else x.new_empty(0),
-                          b2 if b2 is not None else x.new_empty(0))
+    ctx.save_for_backward(
+        x,
+        topk_ids,
+        topk_weights,
+        w1,
+        w2,
+        b1 if b1 is not None else x.new_empty(0),
+        b2 if b2 is not None else x.new_empty(0),
+    )
     ctx.meta = (world_name, activation, mt)
 
 

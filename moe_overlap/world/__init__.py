@@ -14,8 +14,8 @@ from .base import (
     ROLE_CONSUMER,
     ROLE_PRODUCER,
     SymmTensor,
-    World,
     WorkspacePlan,
+    World,
     interpreted,
     launch_lock,
 )
@@ -30,9 +30,21 @@ def _register(world) -> str:
     _REGISTRY[name] = world
     return name
 
+
 __all__ = [
-    "ROLE_BOTH", "ROLE_CONSUMER", "ROLE_PRODUCER", "SymmTensor", "World", "WorkspacePlan",
-    "EmulatedWorld", "default_world", "init_world", "local_world", "register_world", "get_world", "interpreted",
+    "ROLE_BOTH",
+    "ROLE_CONSUMER",
+    "ROLE_PRODUCER",
+    "SymmTensor",
+    "World",
+    "WorkspacePlan",
+    "EmulatedWorld",
+    "default_world",
+    "init_world",
+    "local_world",
+    "register_world",
+    "get_world",
+    "interpreted",
     "launch_lock",
 ]
 

@@ -92,6 +92,8 @@ class SymmTensor:
 
     local: torch.Tensor
     ptrs: torch.Tensor
+    # Emulated worlds: the peers' tensors, so no rank frees memory a peer still addresses.
+    keep: tuple = ()
 
     def view(self, offset_bytes: int, shape, dtype: torch.dtype) -> SymmTensor:
         """A typed sub-view at the same byte offset on every rank (for workspace carving)."""
@@ -103,7 +105,7 @@ class SymmTensor:
         if offset_bytes + numel * esize > raw.numel():
             raise ValueError("view exceeds the symmetric buffer")
         loc = raw[offset_bytes : offset_bytes + numel * esize].view(dtype).view(shape)
-        return SymmTensor(loc, self.ptrs + offset_bytes)
+        return SymmTensor(loc, self.ptrs + offset_bytes, self.keep)
 
 
 class WorkspacePlan:
@@ -340,13 +342,16 @@ class World:
         self._err.zero_()
         if self._err_host is not None:
             self._err_host.zero_()
-        raise CommTimeoutError(rank=rec[1], stage=rec[2], index=rec[3], expected=rec[4],
-                               seen=rec[5])
+        raise CommTimeoutError(
+            rank=rec[1], stage=rec[2], index=rec[3], expected=rec[4], seen=rec[5]
+        )
 
     @property
     def error_buffer(self) -> torch.Tensor:
         return self._err
 
     def __repr__(self):
-        return (f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
-                f"device={self.device})")
+        return (
+            f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size}, "
+            f"device={self.device})"
+        )

@@ -38,10 +38,6 @@ class _Group:
         self.timeout = timeout
         self.barrier = threading.Barrier(world_size, timeout=timeout)
         self.slots = [None] * world_size
-        # Every symmetric allocation of every rank lives as long as the group: a rank that
-        # returns early must not free memory its peers still address (their kernels may still
-        # publish ready epochs into it). Superseded workspaces are kept too (growth is rare).
-        self.keep: list = []
         self.streams = None
         if device.type == "cuda" and mode == "concurrent":
             self.streams = [torch.cuda.Stream(device) for _ in range(world_size)]
@@ -126,8 +122,8 @@ class EmulatedWorld(World):
     # ------------------------------------------------------------- memory
     def _alloc_symmetric(self, nbytes: int) -> SymmTensor:
         local = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._group.keep.append(local)
-        ptrs = self._exchange(local.data_ptr())
-        table = torch.tensor(ptrs, dtype=torch.int64, device=self.device)
-        # Keep peers' tensors alive for as long as this rank holds its table.
-        return SymmTensor(local, table)
+        peers = self._exchange(local)
+        table = torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
+        # The table holds the peers' tensors: a rank that returns early must not free memory
+        # its peers still address (their kernels may still publish ready epochs into it).
+        return SymmTensor(local, table, tuple(peers))

@@ -89,7 +89,7 @@ def correctness():
             RES[f"toy_{mode}_error"] = repr(e)[:500]
     for mode in ("sequential", "concurrent"):
 
-        def fn(world):
+        def fn(world, mode):
             g = torch.Generator(device="cpu").manual_seed(10 + world.rank)
             Tr = 300 + 77 * world.rank
             xx = torch.randn(Tr, H, generator=g).to(dev, torch.bfloat16)
@@ -109,13 +109,17 @@ def correctness():
                 xr = xx.float().requires_grad_()
                 w1r = w1.float().requires_grad_()
                 (ref_experts(xr, ii, ww, w1r, w2) * dy.float()).sum().backward()
-                out += [rel(xg.grad, xr.grad), w1r.grad[sl].norm().item(), w1l.grad.float().norm().item()]
+                out += [
+                    rel(xg.grad, xr.grad),
+                    w1r.grad[sl].norm().item(),
+                    w1l.grad.float().norm().item(),
+                ]
             world.check()
             return out
 
         for W in (2, 4):
             try:
-                RES[f"emulated_{mode}_W{W}_rel"] = spawn(W, fn, device="cuda", mode=mode)
+                RES[f"emulated_{mode}_W{W}_rel"] = spawn(W, fn, mode, device="cuda", mode=mode)
             except Exception as e:  # noqa: BLE001
                 RES[f"emulated_{mode}_W{W}_error"] = repr(e)[:800]
 

@@ -1,0 +1,845 @@
+"""Benchmark harness: builds every case of one op, checks it, times it, derives the metrics.
+
+Flow of one run (:func:`run`), the same on every rank:
+
+1. Build the rank's random inputs (never zeros; several input sets that rotate so the L2
+   cache does not hold them across calls), then every requested baseline and candidate. A
+   missing fused op or baseline becomes ``unavailable: <reason>``, never a crash.
+2. Call each case once (compiles, warms caches) and keep its output of set 0 in canonical form.
+   Every output is compared with every baseline computing the same function (relative error
+   ``||a - b|| / ||b||``), so the report can quote the error against the fastest baseline.
+   Then the outputs are freed.
+3. Time each case: warm-up, then per-call CUDA events (host clock on the CPU), median of N.
+   ``--warmup``/``--rep`` take counts (``20``) or milliseconds (``100ms``: counts derived from a
+   two-call estimate, at least 5 timed calls). All ranks run the same counts.
+4. Metrics: TFLOP/s from the counted FLOPs (:func:`flops_layer0` ...), each candidate's speedup
+   over each baseline (``t_baseline / t_candidate``), and with several ranks the effective
+   communication time (``candidate - best non-split GEMM``) and, where the communication alone
+   was measured (real ranks), the share of it hidden.
+
+Several ranks: emulated ranks on one GPU (``testing.spawn(..., mode="concurrent")``) share the
+device clock, so an iteration's time is ``max(end) - min(start)`` over the ranks' events; real
+ranks (torchrun) use the slowest rank's time per iteration. Each rank's events are recorded on
+its own stream. FLOPs and TFLOP/s count all ranks together.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from . import baselines as B
+from .baselines import Case, Unavailable
+from .presets import DenseShape, MoEShape
+
+__all__ = [
+    "RunSpec",
+    "flops_layer0",
+    "flops_layer1",
+    "flops_moe",
+    "flops_dense",
+    "parse_amount",
+    "run",
+    "rel_error",
+    "CANDIDATES",
+]
+
+MOE_OPS = ("layer0", "layer1", "moe")
+DENSE_OPS = ("ag-matmul", "matmul-rs")
+ALL_OPS = MOE_OPS + DENSE_OPS
+
+
+# ------------------------------------------------------------------------------------ FLOPs
+def flops_layer0(M: int, H: int, F: int, activation: str = "swiglu") -> float:
+    """Layer 0 (gate+up or up): ``2 * M * H * (2F for swiglu, else F)``, M = kept rows T*K."""
+    return 2.0 * M * H * (2 * F if activation == "swiglu" else F)
+
+
+def flops_layer1(M: int, F: int, H: int) -> float:
+    """Layer 1 (down): ``2 * M * F * H``."""
+    return 2.0 * M * F * H
+
+
+def flops_moe(M: int, H: int, F: int, activation: str = "swiglu", backward: bool = False) -> float:
+    """Both expert GEMMs (router excluded); backward adds 2x (dgrad + wgrad): 3x in all."""
+    f = flops_layer0(M, H, F, activation) + flops_layer1(M, F, H)
+    return 3.0 * f if backward else f
+
+
+def flops_dense(op: str, M: int, N: int, K: int, world_size: int = 1) -> float:
+    """Per-rank FLOPs: ag-matmul ``2 M (N/W) K``; matmul-rs ``2 M N (K/W)``."""
+    if op == "ag-matmul":
+        return 2.0 * M * (N // world_size) * K
+    if op == "matmul-rs":
+        return 2.0 * M * N * (K // world_size)
+    raise ValueError(f"unknown dense op {op!r}")
+
+
+# ------------------------------------------------------------------------------------- spec
+def parse_amount(text) -> tuple[str, float]:
+    """``"100ms"`` -> ``("ms", 100.0)``; ``"20"`` -> ``("n", 20)``."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return ("n", int(text))
+    s = str(text).strip().lower()
+    try:
+        if s.endswith("ms"):
+            v = float(s[:-2])
+            if v <= 0:
+                raise ValueError
+            return ("ms", v)
+        if s.endswith("s"):
+            v = float(s[:-1]) * 1e3
+            if v <= 0:
+                raise ValueError
+            return ("ms", v)
+        v = int(s)
+        if v < 0:
+            raise ValueError
+        return ("n", v)
+    except ValueError:
+        raise ValueError(
+            f"expected a count (20) or a duration (100ms, 0.5s), got {text!r}"
+        ) from None
+
+
+@dataclass
+class RunSpec:
+    """What to run. ``shape`` is a MoEShape (layer0/layer1/moe) or a DenseShape."""
+
+    op: str
+    shape: MoEShape | DenseShape
+    dtype: torch.dtype
+    device: torch.device
+    world_size: int = 1
+    backward: bool = False
+    baselines: list | None = None  # None: all of the op's
+    candidates: list | None = None  # None: all of the op's
+    warmup: tuple = ("ms", 100.0)
+    rep: tuple = ("ms", 500.0)
+    n_sets: int | None = None
+    check: bool = True
+    trace: bool = False
+    trace_capacity: int = 1 << 18
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------- candidates
+def _import_attrs(module: str, *names: str):
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001 - anything failing at import makes it unavailable
+        raise Unavailable(f"{module} does not import ({type(e).__name__}: {e})") from e
+    missing = [n for n in names if not hasattr(mod, n)]
+    if missing:
+        raise Unavailable(f"{module} has no {', '.join(missing)} yet")
+    return [getattr(mod, n) for n in names]
+
+
+def _takes_trace(fn) -> bool:
+    try:
+        return "trace" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _layout_perm(layout, n_rows: int, W: int) -> torch.Tensor:
+    """Rows of a fused layer-0 output in canonical order: (local expert, source rank, source
+    order), padding rows left out. Needs the layout's ``row_src`` / ``row_local_expert``."""
+    src = getattr(layout, "row_src", None)
+    le = getattr(layout, "row_local_expert", None)
+    if src is None or le is None:
+        raise Unavailable("the layout has no row_src / row_local_expert to compare rows")
+    R = min(n_rows, src.numel())
+    src = src[:R].long()
+    le = le[:R].long()
+    tok = getattr(layout, "row_tok", None)
+    valid = src >= 0
+    if tok is not None:
+        valid &= tok[:R].long() != -2
+    idx = torch.arange(R, device=src.device)[valid]
+    key = le[valid] * (W * R) + src[valid] * R + idx
+    return idx[torch.sort(key).indices]
+
+
+def _cand_layer(p: B.MoEProblem, world, which: str) -> Case:
+    dispatch_layout, layer0, layer1 = _import_attrs(
+        "moe_overlap.experts.fused", "dispatch_layout", "layer0", "layer1"
+    )
+    s, W = p.shape, world.world_size
+    n = len(p.sets)
+    layouts = [dispatch_layout(x.topk_ids_TK, s.experts, world) for x in p.sets]
+    infos = B._sorted_info(p, world)
+    M = B._M(infos)
+    if which == "layer0":
+
+        def step(i, trace=None):
+            kw = {} if trace is None else {"trace": trace}
+            return layer0(
+                p.sets[i % n].x_TH, layouts[i % n], p.w1, world, activation=s.activation, **kw
+            )
+
+        def canon(h):
+            try:
+                return h.index_select(0, _layout_perm(layouts[0], h.shape[0], W))
+            except Unavailable:
+                return None
+
+        return Case(
+            "fused",
+            "candidate",
+            step,
+            canon,
+            B._flops_l0(p, M),
+            note="moe_overlap.experts.fused.layer0",
+            trace_step=step if _takes_trace(layer0) else None,
+        )
+    # Layer 1's input in the fused layout: layer 0 runs once per set (untimed; with several
+    # ranks it also records on the layout where remote rows landed, which layer 1 needs),
+    # then its rows are replaced by the baselines' canonical ones so both sides get the same
+    # input (kept as they are when the layout cannot be mapped).
+    hs = []
+    for st, h_c, lay in zip(p.sets, B.layer0_h(p, world), layouts):
+        h = layer0(st.x_TH, lay, p.w1, world, activation=s.activation)
+        try:
+            perm = _layout_perm(lay, h.shape[0], W)
+            h = torch.zeros_like(h)
+            h[perm] = h_c
+        except Unavailable:
+            pass
+        hs.append(h)
+    w_dtype = [torch.float32]
+
+    def call(i, trace=None):
+        kw = {} if trace is None else {"trace": trace}
+        st = p.sets[i % n]
+        return layer1(hs[i % n], layouts[i % n], st.topk_w_TK.to(w_dtype[0]), p.w2, world, **kw)
+
+    try:  # the weights' dtype is not pinned by the contract: fp32 first, then x's
+        call(0)
+    except TypeError:
+        w_dtype[0] = p.dtype
+    return Case(
+        "fused",
+        "candidate",
+        call,
+        lambda y: y,
+        B._flops_l1(p, M),
+        note="moe_overlap.experts.fused.layer1",
+        trace_step=call if _takes_trace(layer1) else None,
+    )
+
+
+def _cand_layer0(p, world):
+    return _cand_layer(p, world, "layer0")
+
+
+def _cand_layer1(p, world):
+    return _cand_layer(p, world, "layer1")
+
+
+def _cand_fused_experts(p: B.MoEProblem, world) -> Case:
+    (fused_experts,) = _import_attrs("moe_overlap", "fused_experts")
+    s = p.shape
+
+    def fwd(x, wr, w1, w2, j):
+        ids, w = B.torch_route(x, wr, s.topk, s.score_func)
+        return fused_experts(x, ids, w, w1, w2, world=world, activation=s.activation)
+
+    step, canon = B._moe_step(p, fwd)
+    return Case(
+        "fused_experts",
+        "candidate",
+        step,
+        canon,
+        B._moe_flops(p, B._M(B._sorted_info(p, world))),
+        note="torch router + moe_overlap.fused_experts",
+    )
+
+
+def _cand_moe_layer(p: B.MoEProblem, world) -> Case:
+    MoEConfig, MoELayer = _import_attrs("moe_overlap", "MoEConfig", "MoELayer")
+    s = p.shape
+    cfg = MoEConfig(
+        s.hidden,
+        s.ffn,
+        s.experts,
+        s.topk,
+        score_func=s.score_func,
+        norm_topk_prob=True,
+        activation=s.activation,
+    )
+    layer = MoELayer(cfg, world=world, dtype=p.dtype, device=p.device)
+    with torch.no_grad():
+        layer.router.weight.copy_(p.wr_EH)
+        # Share the problem's expert weights instead of copying them (22 GB at DeepSeek-V3).
+        for name, w in (("gate_up_proj", p.w1), ("down_proj", p.w2)):
+            cur = getattr(layer.experts, name)
+            if cur.shape == w.shape and cur.dtype == w.dtype:
+                setattr(layer.experts, name, torch.nn.Parameter(w.detach()))
+            else:
+                cur.copy_(w)
+    n = len(p.sets)
+    params = [layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj]
+    if p.backward:
+        xs = [st.x_TH.detach().clone().requires_grad_(True) for st in p.sets]
+
+        def step(i):
+            x = xs[i % n]
+            y = layer(x)
+            g = torch.autograd.grad(y, [x, *params], p.sets[i % n].gy_TH)
+            return (y.detach(), *g)
+    else:
+
+        def step(i):
+            with torch.no_grad():
+                return layer(p.sets[i % n].x_TH)
+
+    return Case(
+        "MoELayer",
+        "candidate",
+        step,
+        B.bwd_canon if p.backward else (lambda o: o),
+        B._moe_flops(p, B._M(B._sorted_info(p, world))),
+        note="moe_overlap.MoELayer (its own router)",
+    )
+
+
+def _cand_dense(p: B.DenseProblem, world) -> Case:
+    name = "all_gather_matmul" if p.op == "ag-matmul" else "matmul_reduce_scatter"
+    (fn,) = _import_attrs("moe_overlap", name)
+    n = len(p.xs)
+
+    def step(i, trace=None):
+        kw = {} if trace is None else {"trace": trace}
+        return fn(p.xs[i % n], p.weight, world, **kw)
+
+    return Case(
+        "fused",
+        "candidate",
+        step,
+        lambda y: y,
+        B._dense_flops(p),
+        note=f"moe_overlap.{name}",
+        trace_step=step if _takes_trace(fn) else None,
+    )
+
+
+CANDIDATES: dict[str, dict[str, Callable]] = {
+    "layer0": {"fused": _cand_layer0},
+    "layer1": {"fused": _cand_layer1},
+    "moe": {"fused_experts": _cand_fused_experts, "MoELayer": _cand_moe_layer},
+    "ag-matmul": {"fused": _cand_dense},
+    "matmul-rs": {"fused": _cand_dense},
+}
+
+
+# ---------------------------------------------------------------------------- check cases
+def _ref_check_case(p: B.MoEProblem, world) -> Case:
+    """moe_overlap.reference on set 0 in float64 (forward output only): not timed."""
+    if world.world_size > 1:
+        raise Unavailable("the float64 reference check runs with one rank")
+    limit = (12 << 30) if p.device.type == "cuda" else (1 << 30)
+    if (p.w1.numel() + p.w2.numel()) * 8 > limit:
+        raise Unavailable("weights too large for a float64 copy")
+    try:
+        from .. import reference
+    except Exception as e:  # noqa: BLE001 - being written in parallel
+        raise Unavailable(f"moe_overlap.reference does not import: {e!r}") from e
+    if not hasattr(reference, "experts"):
+        raise Unavailable("moe_overlap.reference has no experts()")
+    st, s = p.sets[0], p.shape
+
+    def step(i):
+        with torch.no_grad():
+            return reference.experts(
+                st.x_TH.double(),
+                st.topk_ids_TK,
+                st.topk_w_TK.double(),
+                p.w1.double(),
+                p.w2.double(),
+                activation=s.activation,
+            )
+
+    return Case("reference", "check", step, lambda y: y, 0.0, note="float64 reference")
+
+
+def _dense_check_case(p: B.DenseProblem, world) -> Case:
+    """The op's result through plain gathers on every rank (untimed), for any world."""
+    W = world.world_size
+
+    def gather(t):
+        if W == 1:
+            return [t]
+        if hasattr(world, "all_gather_tensor"):
+            return world.all_gather_tensor(t)
+        import torch.distributed as dist
+
+        out = [torch.empty_like(t) for _ in range(W)]
+        dist.all_gather(out, t.contiguous(), group=world.group)
+        return out
+
+    def step(i):
+        x = p.xs[0]
+        if p.op == "ag-matmul":
+            return torch.cat(gather(x)).float() @ p.weight.float().t()
+        part = x.float() @ p.weight.float().t()
+        total = sum(gather(part))
+        m = part.shape[0] // W
+        return total[world.rank * m : (world.rank + 1) * m]
+
+    return Case("reference", "check", step, lambda y: y, 0.0, note="gather + fp32 mm")
+
+
+# ----------------------------------------------------------------------------- measuring
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _counts(warm, rep, est_ms) -> tuple[int, int]:
+    def n_of(spec, lo, hi):
+        kind, v = spec
+        if kind == "n":
+            return int(v)
+        return int(min(hi, max(lo, math.ceil(v / max(est_ms, 1e-3)))))
+
+    return n_of(warm, 1, 200), max(1, n_of(rep, 5, 1000))
+
+
+def measure(step, device, world, warm, rep) -> dict:
+    """Time ``step(i)``: warm-up, then per-call events (or host clock). Returns raw timings:
+    ``{"ms": [...]}`` plus ``{"events": [(start, end), ...]}`` on CUDA."""
+    est = 1.0
+    if warm[0] == "ms" or rep[0] == "ms":  # durations: counts from a two-call estimate
+        _sync(device)
+        t0 = time.perf_counter()
+        for i in range(2):
+            step(i)
+        _sync(device)
+        est = (time.perf_counter() - t0) / 2 * 1e3
+        if world.world_size > 1:  # every rank must run the same counts
+            est = max(v[0] for v in world.all_gather_ints([int(est * 1000)])) / 1000
+    n_warm, n_rep = _counts(warm, rep, est)
+    for i in range(n_warm):
+        step(i)
+    _sync(device)
+    if world.world_size > 1:
+        world.barrier()
+    if device.type == "cuda":
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(n_rep)
+        ]
+        for i, (a, b) in enumerate(ev):
+            a.record()
+            step(i)
+            b.record()
+        _sync(device)
+        return {"ms": [a.elapsed_time(b) for a, b in ev], "events": ev}
+    ms = []
+    for i in range(n_rep):
+        t = time.perf_counter()
+        step(i)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return {"ms": ms}
+
+
+def stats(ms: list) -> dict:
+    s = sorted(ms)
+    q = lambda f: s[min(len(s) - 1, max(0, round(f * (len(s) - 1))))]
+    return {
+        "median_ms": statistics.median(s),
+        "min_ms": s[0],
+        "max_ms": s[-1],
+        "mean_ms": statistics.fmean(s),
+        "p20_ms": q(0.2),
+        "p80_ms": q(0.8),
+        "n": len(s),
+    }
+
+
+def rel_error(a, b) -> float | None:
+    """``||a - b|| / ||b||`` in float64; tuples compare element-wise (max) over their common
+    prefix; ``None`` when shapes differ. NaN anywhere gives ``inf``."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        aa = list(a) if isinstance(a, (tuple, list)) else [a]
+        bb = list(b) if isinstance(b, (tuple, list)) else [b]
+        errs = []
+        for x, y in zip(aa, bb):
+            if x is None or y is None:
+                continue
+            e = rel_error(x, y)
+            if e is None:
+                return None
+            errs.append(e)
+        return max(errs) if errs else None
+    if a is None or b is None or tuple(a.shape) != tuple(b.shape):
+        return None
+    x = a.detach().to(torch.float64)
+    y = b.detach().to(torch.float64).to(x.device)
+    if not torch.isfinite(x).all():
+        return math.inf
+    return float((x - y).norm() / (y.norm() + 1e-30))
+
+
+# ------------------------------------------------------------------------------ one rank
+def _build_problem(spec: RunSpec, world):
+    if spec.op in MOE_OPS:
+        return B.make_moe_problem(
+            spec.shape,
+            world.world_size,
+            world.rank,
+            spec.dtype,
+            spec.device,
+            spec.n_sets,
+            spec.backward,
+            spec.seed,
+        )
+    return B.make_dense_problem(
+        spec.op,
+        spec.shape,
+        world.world_size,
+        world.rank,
+        spec.dtype,
+        spec.device,
+        spec.n_sets,
+        spec.seed,
+    )
+
+
+def _names(requested, available) -> list:
+    if requested is None:
+        return list(available)
+    bad = [n for n in requested if n not in available]
+    if bad:
+        raise ValueError(f"unknown name(s) {bad}; choose from {list(available)}")
+    return list(requested)
+
+
+def case_names(op: str) -> tuple[list, list]:
+    """(baseline names, candidate names) of ``op``."""
+    return B.baseline_names(op), list(CANDIDATES[op])
+
+
+def run_rank(world, spec: RunSpec) -> dict:
+    """Everything one rank does (see the module docstring). Returns raw, per-rank results."""
+    torch.manual_seed(spec.seed)
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+    problem = _build_problem(spec, world)
+    base_names, cand_names = case_names(spec.op)
+    builders = []
+    for n in _names(spec.baselines, base_names):
+        builders.append((n, "baseline", lambda n=n: B.build_baseline(spec.op, n, problem, world)))
+    for n in _names(spec.candidates, cand_names):
+        builders.append((n, "candidate", lambda n=n: CANDIDATES[spec.op][n](problem, world)))
+    if spec.check:
+        chk = _ref_check_case if spec.op == "moe" and not spec.backward else None
+        if spec.op in DENSE_OPS:
+            chk = _dense_check_case
+        if chk is not None:
+            builders.append(("reference", "check", lambda chk=chk: chk(problem, world)))
+
+    cases: list[Case] = []
+    status: dict = {}
+    for name, role, build in builders:
+        try:
+            c = build()
+            cases.append(c)
+        except Unavailable as e:
+            status[name] = {"role": role, "status": "unavailable", "reason": str(e)}
+        except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
+            status[name] = {
+                "role": role,
+                "status": "failed",
+                "reason": f"setup: {type(e).__name__}: {e}",
+            }
+    # First call of each case: compile, warm, capture the canonical output of set 0.
+    outputs = {}
+    for c in cases:
+        try:
+            out = c.step(0)
+            _sync(spec.device)
+            outputs[c.name] = c.canon(out) if (c.canon is not None and spec.check) else None
+            del out
+            status[c.name] = {"role": c.role, "status": "ok", "note": c.note, "flops": c.flops}
+        except Exception as e:  # noqa: BLE001
+            status[c.name] = {
+                "role": c.role,
+                "status": "failed",
+                "reason": f"first call: {type(e).__name__}: {e}",
+                "note": c.note,
+            }
+        if world.world_size > 1:
+            world.barrier()
+    refs = [
+        c.name for c in cases if c.role in ("baseline", "check") and outputs.get(c.name) is not None
+    ]
+    for c in cases:
+        if outputs.get(c.name) is None:
+            continue
+        errs = {}
+        for r in refs:
+            if r != c.name:
+                e = rel_error(outputs[c.name], outputs[r])
+                if e is not None:
+                    errs[r] = e
+        status[c.name]["rel_err"] = errs
+        if c.canon is not None and not errs and c.role == "candidate":
+            status[c.name]["check_note"] = "no comparable baseline output"
+    if spec.check:
+        for c in cases:
+            if (
+                c.canon is not None
+                and outputs.get(c.name) is None
+                and c.name in status
+                and status[c.name]["status"] == "ok"
+            ):
+                status[c.name]["check_note"] = "output layout not comparable"
+    outputs.clear()
+    status = {n: status[n] for n, _, _ in builders if n in status}
+    # Timing: floors and baselines first, then candidates; checks are not timed.
+    order = {"floor": 0, "comm": 1, "baseline": 2, "candidate": 3}
+    timings = {}
+
+    def all_ok(name) -> bool:
+        # Collective cases must run on every rank or on none: a rank that skips one while the
+        # others wait for it would hang them until their timeouts.
+        ok = status[name]["status"] == "ok"
+        if world.world_size == 1:
+            return ok
+        return all(v[0] for v in world.all_gather_ints([int(ok)]))
+
+    for c in sorted((c for c in cases if c.role != "check"), key=lambda c: order[c.role]):
+        if not all_ok(c.name):
+            if status[c.name]["status"] == "ok":
+                status[c.name].update(status="failed", reason="failed on another rank")
+            continue
+        try:
+            timings[c.name] = measure(c.step, spec.device, world, spec.warmup, spec.rep)
+        except Exception as e:  # noqa: BLE001
+            status[c.name].update(status="failed", reason=f"timing: {type(e).__name__}: {e}")
+        if world.world_size > 1:
+            world.barrier()
+    traces = {}
+    if spec.trace:
+        from .trace import new_buffer
+
+        for c in cases:
+            if c.role != "candidate" or not all_ok(c.name):
+                continue
+            if c.trace_step is None:
+                status[c.name]["trace"] = "unavailable: the op takes no trace= argument yet"
+                continue
+            buf = new_buffer(spec.trace_capacity, spec.device)
+            try:
+                c.trace_step(0, trace=buf)
+                _sync(spec.device)
+                traces[c.name] = buf.cpu()
+            except Exception as e:  # noqa: BLE001
+                status[c.name]["trace"] = f"failed: {type(e).__name__}: {e}"
+    if _is_dist(world):
+        for t in timings.values():
+            per = world.all_gather_ints([int(v * 1e6) for v in t["ms"]])
+            t["ms"] = [max(r[i] for r in per) / 1e6 for i in range(len(t["ms"]))]
+            t.pop("events", None)
+    return {
+        "rank": world.rank,
+        "status": status,
+        "timings": timings,
+        "traces": traces,
+        "sets": len(problem.sets) if hasattr(problem, "sets") else len(problem.xs),
+        "M": _kept_rows(problem, world),
+    }
+
+
+def _kept_rows(problem, world):
+    if isinstance(problem, B.MoEProblem):
+        return B._M(B._sorted_info(problem, world))
+    return None
+
+
+def _is_dist(world) -> bool:
+    return getattr(world, "backend", "") == "torch_symm" and world.world_size > 1
+
+
+# ------------------------------------------------------------------------------ all ranks
+def combine(rank_results: list, emulated_cuda: bool, world_size: int = 1) -> dict:
+    """Merge per-rank results: status from rank 0 (errors: max over ranks), per-iteration
+    times across ranks (shared clock: max end - min start; else the slowest rank)."""
+    r0 = rank_results[0]
+    status = {k: dict(v) for k, v in r0["status"].items()}
+    for name, st in status.items():
+        # One process of a torchrun job sees its own rank only: scale its count.
+        scale = world_size / len(rank_results)
+        st["flops_total"] = scale * sum(
+            rr["status"].get(name, {}).get("flops", 0.0) for rr in rank_results
+        )
+    for rr in rank_results[1:]:
+        for name, st in rr["status"].items():
+            if st["status"] != "ok" and status.get(name, {}).get("status") == "ok":
+                status[name] = dict(st, reason=f"rank {rr['rank']}: {st.get('reason')}")
+            for ref, e in st.get("rel_err", {}).items():
+                cur = status.get(name, {}).setdefault("rel_err", {})
+                cur[ref] = max(cur.get(ref, 0.0), e)
+    times = {}
+    for name in r0["timings"]:
+        per_rank = [rr["timings"].get(name) for rr in rank_results]
+        if any(t is None for t in per_rank):
+            continue
+        n = min(len(t["ms"]) for t in per_rank)
+        if emulated_cuda and len(per_rank) > 1 and all("events" in t for t in per_rank):
+            ref = per_rank[0]["events"][0][0]
+            ms = []
+            for i in range(n):
+                s = min(ref.elapsed_time(t["events"][i][0]) for t in per_rank)
+                e = max(ref.elapsed_time(t["events"][i][1]) for t in per_rank)
+                ms.append(e - s)
+        else:
+            ms = [max(t["ms"][i] for t in per_rank) for i in range(n)]
+        times[name] = ms
+    traces = {}
+    for rr in rank_results:
+        for name, buf in rr["traces"].items():
+            traces.setdefault(name, []).append(buf)
+    traces = {k: torch.cat(v) for k, v in traces.items()}
+    return {
+        "status": status,
+        "times": times,
+        "traces": traces,
+        "sets": r0["sets"],
+        "M": [rr["M"] for rr in rank_results],
+    }
+
+
+def _tol(dtype) -> float:
+    from ..testing import TOLERANCES
+
+    return TOLERANCES.get(dtype, TOLERANCES[torch.float32])["rtol"]
+
+
+def metrics(spec: RunSpec, merged: dict) -> dict:
+    """Per case stats, TFLOP/s, ratios, fastest baseline, communication metrics."""
+    W = spec.world_size
+    cases = []
+    med = {}
+    for name, st in merged["status"].items():
+        row = {"name": name, "role": st["role"], "status": st["status"]}
+        for k in ("reason", "note", "check_note", "trace"):
+            if k in st:
+                row[k] = st[k]
+        if name in merged["times"]:
+            row.update(stats(merged["times"][name]))
+            med[name] = row["median_ms"]
+            flops = st.get("flops_total", 0.0)
+            row["flops"] = flops
+            row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12 if flops else None
+        row["rel_err"] = st.get("rel_err", {})
+        cases.append(row)
+    by = {c["name"]: c for c in cases}
+    same_fn = [c["name"] for c in cases if c["role"] == "baseline" and c["name"] in med]
+    fastest = min(same_fn, key=lambda n: med[n]) if same_fn else None
+    floors = [c["name"] for c in cases if c["role"] == "floor" and c["name"] in med]
+    best_floor = min(floors, key=lambda n: med[n]) if floors else None
+    comm = [c["name"] for c in cases if c["role"] == "comm" and c["name"] in med]
+    tol = _tol(spec.dtype)
+    for c in cases:
+        errs = c["rel_err"]
+        ref = (
+            fastest
+            if fastest in errs
+            else ("reference" if "reference" in errs else (next(iter(errs)) if errs else None))
+        )
+        if ref is not None:
+            c["err_ref"] = ref
+            c["err"] = errs[ref]
+            c["check"] = "ok" if errs[ref] <= tol else "MISMATCH"
+    ratios = {}
+    for c in cases:  # every timed case against every baseline and floor
+        if c["role"] not in ("candidate", "baseline") or c["name"] not in med:
+            continue
+        ratios[c["name"]] = {
+            b: med[b] / med[c["name"]]
+            for b in med
+            if by[b]["role"] in ("baseline", "floor") and b != c["name"]
+        }
+    comm_metrics = {}
+    if W > 1 and best_floor is not None:
+        for cand in [n for n in ratios if by[n]["role"] == "candidate"]:
+            m = {
+                "gemm_ms": med[best_floor],
+                "gemm_case": best_floor,
+                "effective_comm_ms": med[cand] - med[best_floor],
+            }
+            if comm:
+                cm = med[comm[0]]
+                m["comm_alone_ms"] = cm
+                m["hidden_share"] = min(1.0, max(0.0, (med[best_floor] + cm - med[cand]) / cm))
+            comm_metrics[cand] = m
+    return {
+        "cases": cases,
+        "fastest_baseline": fastest,
+        "floor": best_floor,
+        "ratios": ratios,
+        "comm": comm_metrics,
+        "tolerance": tol,
+    }
+
+
+def _spawn_ranks(spec: RunSpec) -> list:
+    from ..testing import spawn
+
+    mode = "concurrent" if spec.device.type == "cuda" else "sequential"
+    return spawn(spec.world_size, run_rank, spec, device=spec.device, mode=mode, seed=spec.seed)
+
+
+def run(spec: RunSpec, world=None) -> dict:
+    """Run one op on this process's world (``world``: a real multi-process world, every rank
+    calls this), a local single-rank world, or ``spec.world_size`` emulated ranks."""
+    if spec.op not in ALL_OPS:
+        raise ValueError(f"op must be one of {ALL_OPS}, got {spec.op!r}")
+    t0 = time.perf_counter()
+    emulated_cuda = False
+    if world is not None:
+        rank_results = [run_rank(world, spec)]
+    elif spec.world_size == 1:
+        from ..world import local_world
+
+        rank_results = [run_rank(local_world(spec.device, seed=spec.seed), spec)]
+    else:
+        rank_results = _spawn_ranks(spec)
+        emulated_cuda = spec.device.type == "cuda"
+    merged = combine(rank_results, emulated_cuda, spec.world_size)
+    out = {
+        "op": spec.op,
+        "preset": spec.shape.name,
+        "shape": spec.shape.as_dict(),
+        "dtype": str(spec.dtype).replace("torch.", ""),
+        "device": str(spec.device),
+        "world_size": spec.world_size,
+        "world": (
+            "torchrun"
+            if world is not None and spec.world_size > 1
+            else "emulated"
+            if spec.world_size > 1
+            else "local"
+        ),
+        "backward": spec.backward,
+        "input_sets": merged["sets"],
+        "kept_rows_per_rank": merged["M"],
+        "warmup": list(spec.warmup),
+        "rep": list(spec.rep),
+        "wall_s": None,
+    }
+    out.update(metrics(spec, merged))
+    out["traces"] = merged["traces"]  # tensors: the CLI writes them out and drops them
+    out["wall_s"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,175 @@
+"""``Router``: fp32 top-k gate with group-limited routing, correction bias, capacity and aux losses.
+
+The rules are those of ``moe_overlap.reference`` (its module docstring is the contract); this is
+an independent, vectorized implementation of them:
+
+* No Python loop over tokens and no host sync (no ``.item()``, ``nonzero``, boolean-mask
+  indexing or ``bincount``, whose output size depends on the data): the forward is CUDA-graph
+  capturable. Shapes depend only on ``T`` (a host int), including the capacity.
+* Selection sorts the selection scores with a *stable* descending sort and keeps the first K,
+  so an exact tie goes to the lower expert id (group-limited: the lower group id), matching the
+  reference. ``torch.topk`` leaves ties unspecified.
+* Capacity: the ``T*K`` assignments are laid out choice-rank-major (``j = k*T + t``), sorted
+  stably by expert id, and each one's position inside its expert's run is ``j_sorted -
+  run_start``; an assignment is kept when that position is below the capacity.
+* Logits are fp32 whatever ``x``'s dtype (float64 stays float64 so tests can compare tightly);
+  ``topk_weights`` are float32 (float64 for float64 input) and differentiable to the weight.
+* ``aux_loss`` is already scaled: ``aux_loss_coef * load_balance + z_loss_coef * z_loss``. A
+  term whose coefficient is 0 is skipped; with both 0 the result is a constant 0 tensor with no
+  autograd history.
+
+Initialization (:func:`init_router_weight_`): normal, mean 0, std 0.02 (the usual transformer
+``initializer_range``), drawn in fp32 on the generator's device and then cast, so every dtype and
+every world size starts from the same numbers for one seed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..config import MoEConfig, expert_capacity
+
+__all__ = ["Router", "RouterOutput", "init_router_weight_", "ROUTER_INIT_STD"]
+
+ROUTER_INIT_STD = 0.02
+
+
+class RouterOutput(NamedTuple):
+    topk_ids: torch.Tensor  # [T, K] int64 global expert ids, -1 = capacity drop
+    topk_weights: torch.Tensor  # [T, K] float32, 0 where dropped, differentiable
+    aux_loss: torch.Tensor  # scalar, already scaled by the config's coefficients
+    counts: torch.Tensor  # [E] int64 assignments kept per expert (this rank)
+
+
+@torch.no_grad()
+def init_router_weight_(
+    weight: torch.Tensor, generator: torch.Generator | None = None, std: float = ROUTER_INIT_STD
+) -> torch.Tensor:
+    """Fill ``weight`` in place with N(0, std^2) drawn in fp32 on ``generator``'s device."""
+    dev = generator.device if generator is not None else torch.device("cpu")
+    vals = torch.randn(weight.shape, generator=generator, dtype=torch.float32, device=dev)
+    weight.copy_(vals * std)
+    return weight
+
+
+def _stable_topk_desc(v: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest along the last dim, ties to the lower index."""
+    return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+class Router(nn.Module):
+    """Top-k router of one MoE layer.
+
+    ``weight [E, H]`` (Parameter, ``dtype`` default float32); with ``cfg.router_bias`` also a
+    buffer ``e_score_correction_bias [E]`` float32 (zeros; updated by the training loop, used
+    for selection only).
+    """
+
+    def __init__(
+        self,
+        cfg: MoEConfig,
+        dtype: torch.dtype | None = None,
+        device=None,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__()
+        if not isinstance(cfg, MoEConfig):
+            raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        dtype = torch.float32 if dtype is None else dtype
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=dtype, device=device))
+        init_router_weight_(self.weight, generator)
+        if cfg.router_bias:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(E, dtype=torch.float32, device=device)
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return (
+            f"E={c.num_experts}, H={c.hidden_size}, top_k={c.top_k}, "
+            f"score_func={c.score_func}, bias={c.router_bias}"
+        )
+
+    def _check(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+        H = self.cfg.hidden_size
+        if x.dim() != 2 or x.shape[1] != H:
+            raise ValueError(f"x must be [T, {H}], got {tuple(x.shape)}")
+        if x.device != self.weight.device:
+            raise ValueError(f"x is on {x.device} but the router weight is on {self.weight.device}")
+
+    def forward(self, x_TH: torch.Tensor) -> RouterOutput:
+        """Route ``x_TH [T, H]`` (any float dtype). See the module docstring for the rules."""
+        self._check(x_TH)
+        cfg = self.cfg
+        T = x_TH.shape[0]
+        E, K = cfg.num_experts, cfg.top_k
+        cd = torch.float64 if torch.float64 in (x_TH.dtype, self.weight.dtype) else torch.float32
+        logits = x_TH.to(cd) @ self.weight.to(cd).t()
+        if cfg.score_func == "softmax":
+            scores = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+
+        sel = scores.detach()
+        if self.e_score_correction_bias is not None:
+            sel = sel + self.e_score_correction_bias.to(cd)
+        if cfg.n_group is not None:
+            G = cfg.n_group
+            grouped = sel.view(T, G, E // G)
+            top2 = grouped.topk(min(2, E // G), dim=-1).values.sum(dim=-1)  # [T, G]
+            keep_g = _stable_topk_desc(top2, cfg.topk_group)
+            gmask = torch.zeros(T, G, dtype=torch.bool, device=sel.device)
+            gmask.scatter_(1, keep_g, True)
+            emask = gmask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+            sel = sel.masked_fill(~emask, float("-inf"))
+        ids = _stable_topk_desc(sel, K)  # [T, K] int64, best first
+
+        w = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            w = w * cfg.routed_scaling_factor
+
+        ones = torch.ones(T * K, dtype=torch.int64, device=ids.device)
+        all_counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
+        all_counts.scatter_add_(0, ids.reshape(-1), ones)
+
+        if cfg.capacity_factor is not None:
+            cap = expert_capacity(T, K, E, cfg.capacity_factor)
+            flat = ids.t().reshape(-1)  # j = k*T + t: choice rank first, then token
+            order = torch.sort(flat, stable=True).indices
+            run_start = torch.cumsum(all_counts, 0) - all_counts  # [E]
+            pos_sorted = torch.arange(T * K, device=ids.device) - run_start[flat[order]]
+            pos = torch.empty_like(pos_sorted).scatter_(0, order, pos_sorted)
+            kept = (pos < cap).view(K, T).t()  # [T, K]
+            ids = torch.where(kept, ids, torch.full_like(ids, -1))
+            w = torch.where(kept, w, torch.zeros_like(w))
+            counts = torch.clamp(all_counts, max=cap)
+        else:
+            counts = all_counts
+
+        aux = None
+        if cfg.aux_loss_coef != 0.0:
+            f = all_counts.to(cd) / max(T * K, 1)
+            P = scores.sum(dim=0) / max(T, 1)
+            aux = cfg.aux_loss_coef * (E * (f * P).sum())
+        if cfg.z_loss_coef != 0.0:
+            z = torch.logsumexp(logits, dim=-1).square().sum() / max(T, 1)
+            aux = cfg.z_loss_coef * z if aux is None else aux + cfg.z_loss_coef * z
+        if aux is None:
+            aux = logits.new_zeros(())
+        if cd != torch.float64:
+            w = w.float()
+            aux = aux.float()
+        return RouterOutput(ids, w, aux, counts)

@@ -1,0 +1,370 @@
+"""GPU tests of ``fused_experts`` (compiled Triton, bf16, one GPU): emulated ranks and a local
+world, against the float64 reference computed from the same bf16 values.
+
+* sequential mode (every rank on one stream, producers before consumers): forward, W in
+  {1, 2, 4}, larger sizes (T up to 2048, H up to 1024, F odd-ish like 1000 and 1408).
+* backward: W = 1 on a local world, and W in {2, 4} in the concurrent mode. Emulated W > 1
+  backward cannot run in the sequential mode: autograd runs every CUDA backward node of every
+  rank's thread on one device worker thread, so the host barrier of the sequential protocol
+  inside rank 0's backward node waits for rank 1's node queued behind it (measured on the H200,
+  see DESIGN.md). The concurrent mode puts no host barrier in backward.
+* concurrent mode with one rank's stream delayed by ``torch.cuda._sleep`` right before the op,
+  before layer 0 (so the others' GEMM tiles wait for its dispatched rows) or before layer 1 (so
+  the others' reductions wait for its combine stores). The data of every rank is checked, not
+  only the flags: a missing ``debug_barrier`` before a publish or after a poll shows up here as
+  wrong rows.
+* CUDA-graph capture at W = 1 with ``max_tokens_per_rank`` set, replayed with new inputs copied
+  into the static tensors, equal to eager.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import moe_overlap as mo
+from moe_overlap import reference as ref
+from moe_overlap.config import w1_rows
+from moe_overlap.experts import fused
+from moe_overlap.testing import assert_close, spawn
+from moe_overlap.world import interpreted, local_world
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(interpreted(), reason="GPU tests run compiled (without TRITON_INTERPRET)"),
+]
+
+BF16 = torch.bfloat16
+f64 = torch.float64
+SLEEP_CYCLES = 20_000_000  # ~10 ms at H200 clocks: far longer than the op itself
+GRAD_NAMES = ("x", "topk_weights", "w1", "w2", "b1", "b2")
+
+
+# ------------------------------------------------------------------------------ problems
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _ids(routing, T, E, K, g):
+    """``[T, K]`` int64 ids: uniform (distinct), zipf (skewed, distinct), hot (first choice one
+    expert, the rest distinct), drop (uniform, a quarter -1)."""
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int64)
+    if routing == "zipf":
+        order = torch.randperm(E, generator=g)
+        p = torch.empty(E)
+        p[order] = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** 1.2
+        return torch.multinomial(p.expand(T, E), K, replacement=False, generator=g)
+    scores = torch.rand(T, E, generator=g)
+    if routing == "hot":
+        scores[:, E - 1] = 2.0  # the last expert (last rank) is everyone's first choice
+    ids = scores.topk(K, dim=1).indices
+    if routing == "drop":
+        ids[torch.rand(T, K, generator=g) < 0.25] = -1
+    return ids
+
+
+def make_problem(W, tokens, H, F, E, K, act, bias, routing, seed=0):
+    """Inputs generated in fp32 on the CPU, rounded to bf16; the reference upcasts these."""
+    g = _gen(W, tokens, H, F, E, K, act, bias, routing, seed)
+    rows = w1_rows(act, F)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(BF16)
+
+    glob = dict(
+        w1=rnd(E, rows, H, scale=H**-0.5),
+        w2=rnd(E, H, F, scale=F**-0.5),
+        b1=rnd(E, rows, scale=0.5) if bias else None,
+        b2=rnd(E, H, scale=0.5) if bias else None,
+    )
+    per_rank = []
+    for T in tokens:
+        per_rank.append(
+            dict(
+                x=rnd(T, H),
+                ids=_ids(routing, T, E, K, g),
+                wts=(torch.rand(T, K, generator=g) + 0.1).to(BF16),
+                gy=rnd(T, H),
+            )
+        )
+    return dict(W=W, E=E, El=E // W, act=act, glob=glob, ranks=per_rank)
+
+
+def leaves_of(prob, rank, device, requires_grad=False):
+    sl = slice(rank * prob["El"], (rank + 1) * prob["El"])
+    d = prob["ranks"][rank]
+    out = dict(x=d["x"], topk_weights=d["wts"])
+    for k, v in prob["glob"].items():
+        out[k] = None if v is None else v[sl]
+    out = {k: (None if v is None else v.to(device).clone()) for k, v in out.items()}
+    if requires_grad:
+        for v in out.values():
+            if v is not None:
+                v.requires_grad_(True)
+    return out
+
+
+def call(lv, ids, world, act, **kw):
+    return mo.fused_experts(
+        lv["x"],
+        ids,
+        lv["topk_weights"],
+        lv["w1"],
+        lv["w2"],
+        world,
+        activation=act,
+        b1=lv["b1"],
+        b2=lv["b2"],
+        **kw,
+    )
+
+
+def reference(prob, device, backward=False):
+    """float64 on ``device``: per-rank y, and grads (per-rank x / weights, global weights)."""
+    glob = {
+        k: None if v is None else v.to(device, f64).requires_grad_(backward)
+        for k, v in prob["glob"].items()
+    }
+    ys, xw, loss = [], [], torch.zeros((), dtype=f64, device=device)
+    for d in prob["ranks"]:
+        x = d["x"].to(device, f64).requires_grad_(backward)
+        w = d["wts"].to(device, f64).requires_grad_(backward)
+        y = ref.experts(
+            x, d["ids"].to(device), w, glob["w1"], glob["w2"], prob["act"], glob["b1"], glob["b2"]
+        )
+        ys.append(y.detach())
+        xw.append((x, w))
+        if backward:
+            loss = loss + (y * d["gy"].to(device, f64)).sum()
+    if not backward:
+        return ys, None, None
+    inputs = [t for p in xw for t in p] + [v for v in glob.values() if v is not None]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, grads)]
+    it = iter(grads)
+    rank_grads = [dict(x=next(it), topk_weights=next(it)) for _ in prob["ranks"]]
+    glob_grads = {k: (None if v is None else next(it)) for k, v in glob.items()}
+    return ys, rank_grads, glob_grads
+
+
+def check(prob, got, device, backward=False, tag=""):
+    ys, rank_grads, glob_grads = reference(prob, device, backward)
+    for r, res in enumerate(got):
+        y, grads = res if backward else (res, None)
+        assert y.dtype == BF16 and y.device.type == "cuda"
+        assert_close(y, ys[r], dtype=BF16, name=f"{tag} rank {r}: y")
+        if not backward:
+            continue
+        sl = slice(r * prob["El"], (r + 1) * prob["El"])
+        for k in GRAD_NAMES:
+            if k in rank_grads[r]:
+                want = rank_grads[r][k]
+            elif glob_grads[k] is None:
+                continue
+            else:
+                want = glob_grads[k][sl]
+            assert grads[k] is not None, f"{tag} rank {r}: no grad for {k}"
+            assert_close(grads[k], want, dtype=BF16, name=f"{tag} rank {r}: d{k}")
+
+
+# ------------------------------------------------------------------------------ forward
+FORWARD = [
+    # W, tokens, H, F, E, K, act, bias, routing
+    (1, (2048,), 1024, 1408, 8, 2, "swiglu", False, "uniform"),
+    (1, (777,), 512, 1000, 16, 4, "gelu", True, "zipf"),
+    (2, (1024, 300), 512, 1000, 16, 4, "swiglu", True, "drop"),
+    (2, (0, 1536), 768, 256, 8, 1, "relu", False, "hot"),
+    (4, (512, 0, 777, 256), 768, 256, 8, 2, "silu", True, "zipf"),
+    (4, (640, 640, 640, 640), 1024, 1408, 16, 3, "gelu", False, "hot"),
+]
+
+
+@pytest.mark.parametrize("spec", FORWARD, ids=lambda s: f"W{s[0]}-{s[6]}-{s[8]}")
+def test_forward_sequential(spec):
+    prob = make_problem(*spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def fn(world):
+        r = world.rank
+        lv = leaves_of(prob, r, world.device)
+        ids = prob["ranks"][r]["ids"].to(world.device)
+        y = call(lv, ids, world, prob["act"])
+        y2 = call(lv, ids, world, prob["act"])
+        world.check()
+        assert torch.equal(y, y2), f"rank {r}: a repeated call differs bitwise"
+        return y
+
+    got = spawn(prob["W"], fn, device="cuda", timeout=300)
+    check(prob, got, device, tag=str(spec))
+
+
+def test_static_sizing_equals_exact_sizing():
+    prob = make_problem(2, (900, 333), 512, 1000, 8, 2, "swiglu", True, "zipf")
+
+    def fn(world):
+        r = world.rank
+        lv = leaves_of(prob, r, world.device)
+        ids = prob["ranks"][r]["ids"].to(world.device)
+        exact = call(lv, ids, world, prob["act"])
+        static = call(lv, ids, world, prob["act"], max_tokens_per_rank=1024)
+        world.check()
+        return exact, static
+
+    got = spawn(2, fn, device="cuda", timeout=300)
+    for r, (exact, static) in enumerate(got):
+        assert torch.equal(exact, static), f"rank {r}: static sizing differs from exact"
+    check(prob, [s for _, s in got], torch.device("cuda", torch.cuda.current_device()))
+
+
+# ------------------------------------------------------------------------------ backward
+BACKWARD = [
+    (1, (1024,), 512, 1000, 8, 2, "swiglu", True, "zipf"),
+    (1, (333,), 768, 256, 4, 1, "gelu", False, "drop"),
+    (2, (700, 0), 512, 1000, 8, 2, "swiglu", True, "hot"),
+    (2, (256, 512), 1024, 1408, 16, 4, "relu", False, "uniform"),
+    (4, (300, 128, 0, 512), 512, 256, 8, 2, "silu", True, "drop"),
+]
+
+
+@pytest.mark.parametrize("spec", BACKWARD, ids=lambda s: f"W{s[0]}-{s[6]}-{s[8]}")
+def test_forward_backward(spec):
+    prob = make_problem(*spec)
+    W = prob["W"]
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def fn(world):
+        r = world.rank
+        lv = leaves_of(prob, r, world.device, requires_grad=True)
+        d = prob["ranks"][r]
+        y = call(lv, d["ids"].to(world.device), world, prob["act"])
+        (y * d["gy"].to(world.device)).sum().backward()
+        world.check()
+        return y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()}
+
+    if W == 1:
+        got = [fn(local_world(device))]
+    else:
+        got = spawn(W, fn, device="cuda", mode="concurrent", timeout=300)
+    check(prob, got, device, backward=True, tag=str(spec))
+
+
+# ------------------------------------------------------------------------------ delayed producers
+@pytest.mark.parametrize("W", [2, 4])
+@pytest.mark.parametrize("where", ["op", "layer0", "layer1"])
+def test_concurrent_with_a_delayed_rank(W, where):
+    # One rank's stream sleeps before the op (static sizing: no host sync, the delay reaches the
+    # count exchange and the dispatch waits), before layer 0, or before layer 1; every rank's
+    # data must still be right.
+    prob = make_problem(
+        W, (512, 300, 0, 700)[:W], 512, 1000, 2 * W, 2, "swiglu", True, "uniform", seed=7
+    )
+    slow = W - 1
+
+    def fn(world):
+        r = world.rank
+        lv = leaves_of(prob, r, world.device)
+        ids = prob["ranks"][r]["ids"].to(world.device)
+        act = prob["act"]
+        if where == "op":
+            if r == slow:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            y = call(lv, ids, world, act, max_tokens_per_rank=1024)
+        else:
+            layout = fused.dispatch_layout(ids, prob["E"], world)
+            if r == slow and where == "layer0":
+                torch.cuda._sleep(SLEEP_CYCLES)
+            h = fused.layer0(lv["x"], layout, lv["w1"], world, act, b1=lv["b1"])
+            if r == slow and where == "layer1":
+                torch.cuda._sleep(SLEEP_CYCLES)
+            y = fused.layer1(h, layout, lv["topk_weights"], lv["w2"], world, b2=lv["b2"])
+        world.check()
+        return y
+
+    got = spawn(W, fn, device="cuda", mode="concurrent", timeout=300)
+    check(prob, got, torch.device("cuda", torch.cuda.current_device()), tag=f"{where} W{W}")
+
+
+def test_concurrent_delayed_rank_backward():
+    # The backward's dispatch and combine wait too: delay the slow rank right before backward.
+    prob = make_problem(2, (400, 600), 512, 1000, 4, 2, "gelu", True, "zipf", seed=9)
+
+    def fn(world):
+        r = world.rank
+        lv = leaves_of(prob, r, world.device, requires_grad=True)
+        d = prob["ranks"][r]
+        y = call(lv, d["ids"].to(world.device), world, prob["act"])
+        if r == 1:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        (y * d["gy"].to(world.device)).sum().backward()
+        world.check()
+        return y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()}
+
+    got = spawn(2, fn, device="cuda", mode="concurrent", timeout=300)
+    check(prob, got, torch.device("cuda", torch.cuda.current_device()), backward=True)
+
+
+# ------------------------------------------------------------------------------ CUDA graphs
+def test_cuda_graph_capture_replays_with_new_inputs():
+    device = torch.device("cuda", torch.cuda.current_device())
+    world = local_world(device)
+    T, H, F, E, K, act = 512, 512, 1000, 8, 2, "swiglu"
+    probs = [make_problem(1, (T,), H, F, E, K, act, True, "zipf", seed=s) for s in range(3)]
+    for p in probs[1:]:
+        p["glob"] = probs[0]["glob"]  # one set of expert weights, captured by the graph
+    lv = leaves_of(probs[0], 0, device)  # weights stay fixed; x, ids, weights are replaced
+    static_x = lv["x"].clone()
+    static_ids = probs[0]["ranks"][0]["ids"].to(device)
+    static_w = lv["topk_weights"].clone()
+
+    def step():
+        return mo.fused_experts(
+            static_x,
+            static_ids,
+            static_w,
+            lv["w1"],
+            lv["w2"],
+            world,
+            activation=act,
+            b1=lv["b1"],
+            b2=lv["b2"],
+            max_tokens_per_rank=T,
+        )
+
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):  # warm-up: compiles, grows the workspace and signal pad
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = step()
+
+    for p in probs[1:] + probs[:1]:
+        d = p["ranks"][0]
+        static_x.copy_(d["x"])
+        static_ids.copy_(d["ids"])
+        static_w.copy_(d["wts"])
+        graph.replay()
+        torch.cuda.synchronize(device)
+        eager = mo.fused_experts(
+            d["x"].to(device),
+            d["ids"].to(device),
+            d["wts"].to(device),
+            lv["w1"],
+            lv["w2"],
+            world,
+            activation=act,
+            b1=lv["b1"],
+            b2=lv["b2"],
+            max_tokens_per_rank=T,
+        )
+        world.check()
+        assert torch.equal(static_y, eager), "graph replay differs from eager"
+        ys, _, _ = reference(p, device)
+        assert_close(static_y, ys[0], dtype=BF16, name="graph replay y")

@@ -1,0 +1,555 @@
+"""The benchmark CLI and its baselines, on the CPU (tiny shapes; no timing is asserted).
+
+Covers: every subcommand parses; the CLI runs end to end on the ``tiny`` preset with whatever
+fused ops exist (a missing one is reported, never a crash); the FLOP formulas; the metrics;
+the trace converter on a synthetic buffer; every baseline against ``moe_overlap.reference`` in
+float64 (fp32 inputs), one rank and two emulated ranks, forward and backward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_overlap.bench import baselines as B
+from moe_overlap.bench import harness as Hn
+from moe_overlap.bench import presets as P
+from moe_overlap.bench import report as R
+from moe_overlap.bench import trace as Tr
+from moe_overlap.bench.__main__ import build_parser, main
+
+try:
+    from moe_overlap import reference
+except Exception:  # noqa: BLE001 - written in parallel; tests that need it skip
+    reference = None
+
+needs_ref = pytest.mark.skipif(reference is None, reason="moe_overlap.reference not importable")
+
+try:
+    import matplotlib  # noqa: F401
+
+    HAS_MPL = True
+except ImportError:
+    HAS_MPL = False
+
+FAST = ["--rep", "1", "--warmup", "0"]
+
+
+# ------------------------------------------------------------------------------- parsing
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["layer0"],
+        ["layer1", "--preset", "qwen3-30b-a3b", "--dtype", "fp16"],
+        ["moe", "--backward", "--preset", "deepseek-v3", "--world-size", "4", "--trace", "t.json"],
+        [
+            "moe",
+            "--tokens",
+            "100",
+            "--hidden",
+            "64",
+            "--ffn",
+            "96",
+            "--experts",
+            "6",
+            "--topk",
+            "3",
+            "--activation",
+            "gelu",
+            "--score-func",
+            "sigmoid",
+        ],
+        ["ag-matmul", "--preset", "gpt3-175b", "-m", "1024"],
+        ["matmul-rs", "--preset", "mixtral-8x7b", "--baselines", "mm,nccl"],
+        ["all", "--presets", "tiny,olmoe", "--ops", "layer0,moe", "--backward"],
+        ["tune", "--preset", "mixtral-8x7b", "--op", "layer1"],
+    ],
+)
+def test_every_subcommand_parses(argv):
+    args = build_parser().parse_args(argv)
+    assert args.cmd == argv[0]
+
+
+def test_parser_rejects_unknown_preset():
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["layer0", "--preset", "no-such-model"])
+
+
+@pytest.mark.parametrize(
+    "text,want",
+    [("20", ("n", 20)), ("100ms", ("ms", 100.0)), ("0.5s", ("ms", 500.0)), (7, ("n", 7))],
+)
+def test_parse_amount(text, want):
+    assert Hn.parse_amount(text) == want
+
+
+@pytest.mark.parametrize("bad", ["-3", "fast", "0ms", ""])
+def test_parse_amount_rejects(bad):
+    with pytest.raises(ValueError, match="count"):
+        Hn.parse_amount(bad)
+
+
+# ------------------------------------------------------------------------------- presets
+def test_presets_match_anchors():
+    want = {  # ANCHORS.md: H, F, E, K
+        "mixtral-8x7b": (4096, 14336, 8, 2),
+        "mixtral-8x22b": (6144, 16384, 8, 2),
+        "phi-3.5-moe": (4096, 6400, 16, 2),
+        "qwen1.5-moe": (2048, 1408, 60, 4),
+        "qwen3-30b-a3b": (2048, 768, 128, 8),
+        "deepseek-v3": (7168, 2048, 256, 8),
+        "olmoe": (2048, 1024, 64, 8),
+    }
+    assert set(P.MODEL_PRESETS) == set(want)
+    for name, (H, F, E, K) in want.items():
+        s = P.PRESETS[name]
+        assert (s.hidden, s.ffn, s.experts, s.topk) == (H, F, E, K)
+        assert s.tokens == (8192 if name == "deepseek-v3" else 16384)
+
+
+def test_shape_overrides_and_errors():
+    s = P.get_moe_shape("olmoe", tokens=100, topk=2)
+    assert (s.tokens, s.topk, s.hidden, s.name) == (100, 2, 2048, "olmoe+custom")
+    assert P.get_moe_shape("olmoe") is P.PRESETS["olmoe"]
+    with pytest.raises(ValueError, match="topk"):
+        P.get_moe_shape("tiny", topk=9)
+    with pytest.raises(ValueError, match="dense"):
+        P.get_moe_shape("gpt3-175b")
+    ag = P.get_dense_shape("ag-matmul", "gpt3-175b")
+    rs = P.get_dense_shape("matmul-rs", "gpt3-175b")
+    assert (ag.m, ag.n, ag.k) == (8192, 49152, 12288)
+    assert (rs.n, rs.k) == (12288, 49152)
+    m = P.get_dense_shape("matmul-rs", "mixtral-8x7b", m=1000)
+    assert (m.m, m.n, m.k) == (1000, 4096, 14336)
+
+
+def test_configs_roundtrip(tmp_path):
+    path = tmp_path / "c.json"
+    assert P.lookup_config("layer0", {"H": 1}, "bf16", path=path) is None
+    shape = {"tokens": 8, "hidden": 16}
+    P.store_config("layer0", shape, "bf16", "GPU X", {"BLOCK_M": 128}, path=path)
+    P.store_config("layer0", shape, "bf16", "GPU X", {"BLOCK_M": 64}, path=path)  # replaces
+    P.store_config("layer1", shape, "bf16", "GPU X", {"BLOCK_N": 32}, path=path)
+    assert P.lookup_config("layer0", dict(reversed(shape.items())), "bf16", "GPU X", path=path) == {
+        "BLOCK_M": 64
+    }
+    assert P.lookup_config("layer0", shape, "bf16", "GPU Y", path=path) is None
+    assert P.lookup_config("layer0", shape, "bf16", None, path=path) == {"BLOCK_M": 64}
+    assert len(json.loads(path.read_text())["entries"]) == 2
+    # the shipped table is valid
+    assert isinstance(P.load_configs()["entries"], list)
+
+
+# ------------------------------------------------------------------------------- FLOPs
+def test_flop_formulas():
+    M, H, F = 16384 * 2, 4096, 14336  # Mixtral, 16k tokens x top-2
+    assert Hn.flops_layer0(M, H, F, "swiglu") == 2 * M * H * 2 * F
+    assert Hn.flops_layer0(M, H, F, "gelu") == 2 * M * H * F
+    assert Hn.flops_layer1(M, F, H) == 2 * M * F * H
+    fwd = Hn.flops_moe(M, H, F)
+    assert fwd == 2 * M * H * 2 * F + 2 * M * F * H
+    assert Hn.flops_moe(M, H, F, backward=True) == 3 * fwd
+    # ANCHORS: grouped_mm up+gate 11.3 ms at 672-679 TFLOP/s (within rounding of 11.3)
+    assert 670 < Hn.flops_layer0(M, H, F) / 11.3e-3 / 1e12 < 690
+    assert Hn.flops_dense("ag-matmul", 8192, 49152, 12288, 8) == 2 * 8192 * 6144 * 12288
+    assert Hn.flops_dense("matmul-rs", 8192, 12288, 49152, 8) == 2 * 8192 * 12288 * 6144
+
+
+def test_metrics_ratios_and_comm():
+    spec = Hn.RunSpec("moe", P.PRESETS["tiny"], torch.float32, torch.device("cpu"), world_size=2)
+    ok = lambda role, flops=1e9: {"role": role, "status": "ok", "flops_total": flops}
+    merged = {
+        "status": {
+            "grouped_mm": ok("floor"),
+            "torchtitan": dict(ok("baseline"), rel_err={"loop": 1e-6}),
+            "loop": ok("baseline"),
+            "comm": ok("comm", 0.0),
+            "fused": dict(ok("candidate"), rel_err={"torchtitan": 1e-3, "loop": 0.5}),
+            "gone": {"role": "candidate", "status": "unavailable", "reason": "nope"},
+        },
+        "times": {
+            "grouped_mm": [1.0, 1.0, 1.0],
+            "torchtitan": [3.0, 2.0, 4.0],
+            "loop": [4.0],
+            "comm": [2.0],
+            "fused": [1.5, 1.5],
+        },
+    }
+    m = Hn.metrics(spec, merged)
+    assert m["fastest_baseline"] == "torchtitan" and m["floor"] == "grouped_mm"
+    assert m["ratios"]["fused"]["torchtitan"] == pytest.approx(3.0 / 1.5)
+    assert m["ratios"]["fused"]["grouped_mm"] == pytest.approx(1.0 / 1.5)
+    cm = m["comm"]["fused"]
+    assert cm["effective_comm_ms"] == pytest.approx(0.5)
+    assert cm["hidden_share"] == pytest.approx((1.0 + 2.0 - 1.5) / 2.0)
+    by = {c["name"]: c for c in m["cases"]}
+    assert by["fused"]["err_ref"] == "torchtitan" and by["fused"]["check"] == "ok"
+    assert by["fused"]["tflops"] == pytest.approx(1e9 / 1.5e-3 / 1e12)
+    assert by["gone"]["status"] == "unavailable"
+    text = R.format_table(
+        {
+            "op": "moe",
+            "preset": "tiny",
+            "shape": P.PRESETS["tiny"].as_dict(),
+            "dtype": "float32",
+            "world_size": 2,
+            "world": "emulated",
+            "device": "cpu",
+            "backward": False,
+            **m,
+        }
+    )
+    assert "75% hidden" in text and "unavailable" in text
+
+
+def test_rel_error():
+    a = torch.ones(4)
+    assert Hn.rel_error(a, a) == 0.0
+    assert Hn.rel_error(a, torch.ones(5)) is None
+    assert Hn.rel_error(torch.full((4,), float("nan")), a) == float("inf")
+    assert Hn.rel_error((a, 2 * a), (a, a)) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------- trace
+def test_trace_chrome_json_and_summary(tmp_path):
+    buf = Tr.synthetic_buffer(world_size=3, sms=4, tiles_per_sm=5, pad_rows=7)
+    bad = torch.tensor([[0, 1, 2, 500, 400, 600]], dtype=torch.int64)  # wait before start
+    buf = torch.cat([buf, bad])
+    ev = Tr.valid_events(buf)
+    assert ev.shape[0] == 3 * 4 * 5 and int(ev[:, 3].min()) == 0
+    path = Tr.write_chrome(buf, tmp_path / "t.json")
+    data = json.loads(path.read_text())
+    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in xs} == {0, 1, 2}
+    assert {e["tid"] for e in xs} == {0, 1, 2, 3}
+    assert sum(e["cat"] == "compute" for e in xs) == 60
+    assert any(e["cat"] == "wait" for e in xs)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in xs)
+    names = [e for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert [e["args"]["name"] for e in names] == ["rank 0", "rank 1", "rank 2"]
+    s = Tr.summarize(buf)
+    assert s["events"] == 60 and s["dropped"] == 8
+    assert s["ranks"][0]["wait_share"] == 0.0 and s["ranks"][1]["wait_share"] > 0
+    aligned = Tr.valid_events(buf, align_ranks=True)
+    for r in range(3):
+        assert int(aligned[aligned[:, 0] == r][:, 3].min()) == 0
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib missing")
+def test_trace_png(tmp_path):
+    p = Tr.write_png(Tr.synthetic_buffer(), tmp_path / "t.png", title="synthetic")
+    assert p is not None and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_rejects_bad_buffers():
+    with pytest.raises(ValueError, match="n_events"):
+        Tr.valid_events(torch.zeros(3, 5, dtype=torch.int64))
+    with pytest.raises(TypeError, match="int64"):
+        Tr.valid_events(torch.zeros(3, 6))
+    with pytest.raises(ValueError, match="capacity"):
+        Tr.new_buffer(0)
+    assert Tr.to_chrome(Tr.new_buffer(4))["traceEvents"] == []
+
+
+# ------------------------------------------------------------------------- baselines
+SHAPE = P.MoEShape("t", 24, 16, 24, 4, 2)  # multiples of 4 floats: grouped_mm may run
+
+
+def _ref_y(x, ids, w, w1, w2, act="swiglu"):
+    return reference.experts(x.double(), ids, w.double(), w1.double(), w2.double(), activation=act)
+
+
+def _ref_h(x, ids, w1, act, El, first=0):
+    """Canonical layer-0 rows: (local expert, token), float64."""
+    rows = []
+    for e in range(El):
+        t = (ids == e + first).nonzero(as_tuple=True)[0]  # token order (ids distinct per row)
+        rows.append(B.activation_fn(x[t].double() @ w1[e].double().t(), act))
+    return torch.cat(rows)
+
+
+def _run_cases(op, p, world, names):
+    out = {}
+    for n in names:
+        try:
+            c = B.build_baseline(op, n, p, world)
+        except B.Unavailable:
+            continue
+        if c.canon is None and c.role != "floor":
+            continue
+        res = c.step(0)
+        out[n] = res if c.canon is None else c.canon(res)
+    return out
+
+
+@needs_ref
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_baselines_match_reference_one_rank(act):
+    from moe_overlap.world import local_world
+
+    shape = P.MoEShape("t", 24, 16, 24, 4, 3, activation=act)
+    world = local_world("cpu")
+    p = B.make_moe_problem(shape, 1, 0, torch.float32, "cpu", n_sets=2)
+    s = p.sets[0]
+    want_y = _ref_y(s.x_TH, s.topk_ids_TK, s.topk_w_TK, p.w1, p.w2, act)
+    want_h = _ref_h(s.x_TH, s.topk_ids_TK, p.w1, act, 4)  # rows in (expert, token) order
+    got0 = _run_cases("layer0", p, world, B.baseline_names("layer0"))
+    assert {"unfused", "torchtitan", "loop"} <= set(got0)
+    for name in ("unfused", "torchtitan", "loop"):
+        assert Hn.rel_error(got0[name], want_h) < 1e-5, name
+    F = shape.ffn
+    floor = got0["grouped_mm"].double()  # the GEMM alone: activation applied here
+    assert Hn.rel_error(B.activation_fn(floor, act), want_h) < 1e-5
+    assert floor.shape[1] == (2 * F if act == "swiglu" else F)
+    got1 = _run_cases("layer1", p, world, B.baseline_names("layer1"))
+    for name in ("unfused", "torchtitan", "loop"):
+        assert Hn.rel_error(got1[name], want_y) < 1e-5, name
+    got = _run_cases("moe", p, world, ["torchtitan", "unfused", "loop", "mo_baseline"])
+    assert {"torchtitan", "unfused", "loop"} <= set(got)
+    for name, y in got.items():
+        assert Hn.rel_error(y, want_y) < 1e-5, name
+
+
+@needs_ref
+def test_baselines_backward_match_reference():
+    from moe_overlap.world import local_world
+
+    world = local_world("cpu")
+    p = B.make_moe_problem(SHAPE, 1, 0, torch.float32, "cpu", n_sets=2, backward=True)
+    s = p.sets[1]
+    leaves = [t.detach().double().requires_grad_(True) for t in (s.x_TH, p.wr_EH, p.w1, p.w2)]
+    x, wr, w1, w2 = leaves
+    ids, w = B.torch_route(x, wr, SHAPE.topk)
+    assert torch.equal(ids, s.topk_ids_TK)
+    y = reference.experts(x, ids, w, w1, w2)
+    want = (y, *torch.autograd.grad(y, leaves, s.gy_TH.double()))
+    for name in ("torchtitan", "unfused", "loop", "mo_baseline"):
+        try:
+            c = B.build_baseline("moe", name, p, world)
+        except B.Unavailable:
+            assert name == "mo_baseline"
+            continue
+        got = c.step(1)
+        assert len(got) == 5
+        for k, (g, r) in enumerate(zip(got, want)):
+            assert Hn.rel_error(g, r) < 1e-5, (name, k)
+    floor = B.build_baseline("moe", "grouped_mm", p, world)
+    assert len(floor.step(0)) == 4  # dx, dw1, dh, dw2 of the two GEMMs
+
+
+@needs_ref
+def test_baselines_two_emulated_ranks_match_reference():
+    from moe_overlap.testing import spawn
+
+    shape = P.MoEShape("t", 20, 16, 24, 4, 2)
+
+    def fn(world):
+        p = B.make_moe_problem(shape, 2, world.rank, torch.float32, "cpu", n_sets=2)
+        out = {op: _run_cases(op, p, world, B.baseline_names(op)) for op in ("layer0", "layer1")}
+        out["moe"] = _run_cases("moe", p, world, ["torchtitan", "mo_baseline"])
+        return p, out
+
+    res = spawn(2, fn)
+    w1 = torch.cat([p.w1 for p, _ in res])
+    w2 = torch.cat([p.w2 for p, _ in res])
+    for r, (p, out) in enumerate(res):
+        s = p.sets[0]
+        want_y = _ref_y(s.x_TH, s.topk_ids_TK, s.topk_w_TK, w1, w2)
+        assert Hn.rel_error(out["layer1"]["torchtitan"], want_y) < 1e-5
+        assert Hn.rel_error(out["layer1"]["unfused"], want_y) < 1e-5
+        assert Hn.rel_error(out["moe"]["torchtitan"], want_y) < 1e-5
+        # layer 0 on rank r: rows of its 2 local experts, (expert, source rank, token) order
+        want_h = []
+        for e in range(2):
+            for src_p, _ in res:
+                ss = src_p.sets[0]
+                want_h.append(
+                    _ref_h(ss.x_TH, ss.topk_ids_TK, p.w1[e : e + 1], "swiglu", 1, first=2 * r + e)
+                )
+        assert Hn.rel_error(out["layer0"]["torchtitan"], torch.cat(want_h)) < 1e-5
+        assert "unfused" not in out["layer0"] and "loop" not in out["layer0"]
+
+
+def test_dense_baselines_and_check(tmp_path):
+    from moe_overlap.world import local_world
+
+    world = local_world("cpu")
+    shape = P.DenseShape("d", 12, 8, 16)
+    for op in ("ag-matmul", "matmul-rs"):
+        p = B.make_dense_problem(op, shape, 1, 0, torch.float32, "cpu", n_sets=2)
+        mm = B.build_baseline(op, "mm", p, world)
+        want = p.xs[1].double() @ p.weight.double().t()
+        assert Hn.rel_error(mm.step(1), want) < 1e-6
+        assert (
+            Hn.rel_error(
+                Hn._dense_check_case(p, world).step(0), p.xs[0].double() @ p.weight.double().t()
+            )
+            < 1e-6
+        )
+        for name in ("nccl", "symm_mem", "comm"):
+            with pytest.raises(B.Unavailable):
+                B.build_baseline(op, name, p, world)
+
+
+def test_grouped_mm_fallback_matches_loop():
+    a = torch.randn(13, 8)
+    b = torch.randn(3, 8, 5)
+    offs = torch.tensor([4, 4, 13], dtype=torch.int32)
+    want = torch.cat([a[:4] @ b[0], a[4:13] @ b[2]])
+    assert torch.allclose(B.grouped_mm(a, b, offs, "loop"), want, atol=1e-5)
+    assert B.grouped_mm_mode("cpu", None, torch.float32, False) in ("native", "padded", "loop")
+
+
+# ------------------------------------------------------------------------------- the CLI
+def test_cli_layer0_json_png_md(tmp_path, capsys):
+    j, png, md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"
+    rc = main(
+        [
+            "layer0",
+            "--preset",
+            "tiny",
+            *FAST,
+            "--json",
+            str(j),
+            "--png",
+            str(png),
+            "--md",
+            str(md),
+            "--trace",
+            str(tmp_path / "t.json"),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "numbers mean nothing" in out.splitlines()[-6:][-1] or "mean nothing" in out
+    data = json.loads(j.read_text())
+    assert data["env"]["command"].startswith("moe-overlap-bench layer0")
+    run = data["runs"][0]
+    names = {c["name"]: c for c in run["cases"]}
+    for b in ("grouped_mm", "unfused", "torchtitan", "loop"):
+        assert names[b]["status"] == "ok" and names[b]["median_ms"] > 0
+    assert names["unfused"]["err"] < 1e-5
+    assert names["fused"]["status"] in ("ok", "unavailable", "failed")
+    if names["fused"]["status"] == "ok":
+        assert names["fused"]["check"] == "ok"
+    assert "| case |" in md.read_text()
+    if HAS_MPL:
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["layer1", "--candidates", "none"],
+        ["moe", "--backward", "--baselines", "grouped_mm,torchtitan", "--candidates", "none"],
+        ["layer0", "--world-size", "2", "--candidates", "none"],
+        ["ag-matmul", "--world-size", "2"],
+        [
+            "all",
+            "--presets",
+            "tiny",
+            "--ops",
+            "layer1,matmul-rs",
+            "--candidates",
+            "none",
+            "--quiet",
+        ],
+    ],
+)
+def test_cli_runs_on_cpu(argv, capsys):
+    assert main([*argv, *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "summary" in out or "--quiet" in argv
+
+
+def test_cli_reports_missing_and_broken_candidates(monkeypatch, capsys):
+    def missing(p, world):
+        return Hn._import_attrs("moe_overlap.no_such_module", "layer0")
+
+    def broken(p, world):
+        def step(i):
+            raise RuntimeError("kernel exploded")
+
+        return B.Case("broken", "candidate", step, lambda y: y, 1.0)
+
+    monkeypatch.setitem(Hn.CANDIDATES, "layer0", {"fused": missing, "broken": broken})
+    assert main(["layer0", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "fused unavailable: moe_overlap.no_such_module does not import" in out
+    assert "broken failed: first call: RuntimeError: kernel exploded" in out
+
+
+def test_cli_tune_without_hook(tmp_path, capsys):
+    rc = main(["tune", "--preset", "tiny", "--op", "layer0", "--configs", str(tmp_path / "c.json")])
+    out = capsys.readouterr().out
+    assert (rc == 1 and "unavailable" in out) or (rc == 0 and "wrote" in out)
+
+
+def test_python_m_entry_point():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moe_overlap.bench",
+            "layer0",
+            "--preset",
+            "tiny",
+            "--candidates",
+            "none",
+            *FAST,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "summary" in r.stdout and "mean nothing" in r.stdout
+
+
+_DS_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+os.environ["MASTER_ADDR"] = "127.0.0.1"
+os.environ["MASTER_PORT"] = sys.argv[1]
+dist.init_process_group("gloo", rank=0, world_size=1)
+from moe_overlap import reference
+from moe_overlap.bench import baselines as B, harness as Hn, presets as P
+from moe_overlap.world import local_world
+shape = P.MoEShape("t", 24, 16, 24, 4, 2)
+for bwd in (False, True):
+    p = B.make_moe_problem(shape, 1, 0, torch.float32, "cpu", n_sets=2, backward=bwd)
+    world = local_world("cpu")
+    ds = B.build_baseline("moe", "deepspeed", p, world)
+    tt = B.build_baseline("moe", "torchtitan", p, world)
+    got, want = ds.canon(ds.step(0)), tt.canon(tt.step(0))
+    s = p.sets[0]
+    ref = reference.experts(s.x_TH.double(), s.topk_ids_TK, s.topk_w_TK.double(),
+                            p.w1.double(), p.w2.double())
+    assert Hn.rel_error(got, ref) < 1e-5, (bwd, Hn.rel_error(got, ref))
+    assert Hn.rel_error(got, want) < 1e-5, (bwd, Hn.rel_error(got, want))
+dist.destroy_process_group()
+print("DEEPSPEED-OK")
+"""
+
+
+@needs_ref
+def test_deepspeed_baseline_matches(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed")
+    port = str(29500 + os.getpid() % 1000)
+    r = subprocess.run(
+        [sys.executable, "-c", _DS_SCRIPT, port],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
+    assert r.returncode == 0 and "DEEPSPEED-OK" in r.stdout, r.stderr[-3000:]

@@ -1,0 +1,679 @@
+"""``fused_experts`` on emulated worlds (CPU, Triton interpreter, fp32): forward and backward.
+
+Every rank holds LOCAL expert weights, slices ``[r * El, (r + 1) * El)`` of one GLOBAL set. The
+float64 reference (``reference.experts``) runs every rank's tokens through the global weights;
+the loss is ``sum_r <y_r, gy_r>`` with a fresh random upstream gradient per rank, so the
+reference's global weight gradient collects every rank's tokens and a rank's local weight
+gradient must equal its slice of it.
+
+Cases are chosen pairwise (every world size x activation, every activation x bias, routings
+spread over world sizes) instead of as a full product: the interpreter is slow and the CPU is
+shared. Covered: W in {1, 2, 3, 4}, K = 1 and K = E, E up to 16, odd H and F (not multiples of
+the interpreter's 16-wide tiles), uneven tokens per rank including ranks and whole worlds with
+no tokens, all assignments on one expert (duplicate ids in a token), experts and whole ranks
+with no tokens, -1 ids, more than one 64-row dispatch chunk from one source, repeated calls on
+one world (flags and epochs reset; bitwise-identical results), a workspace grown by another
+op between calls, two layers' backward in reverse order and a second backward (bitwise),
+static sizing (also with duplicate ids, K > El), partial ``requires_grad``, non-contiguous
+inputs and upstream gradient, fp16, topk_weights in another float dtype, the layer0/layer1
+benchmark API, a peer whose producers never run (``CommTimeoutError`` naming the dispatch
+stage), bad input rejected before any launch. The outputs are fresh tensors, so the poison
+goes into the world's symmetric workspace (NaN bytes) before every run: a row read before it
+was written shows as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import moe_overlap as mo
+from moe_overlap import CommTimeoutError, local_world
+from moe_overlap import reference as ref
+from moe_overlap.config import w1_rows
+from moe_overlap.experts import fused
+from moe_overlap.testing import assert_close, randn, spawn
+
+f64 = torch.float64
+GRAD_NAMES = ("x", "topk_weights", "w1", "w2", "b1", "b2")
+STAGE_DISPATCH = 4  # errors.STAGES
+
+
+# ------------------------------------------------------------------------------ problems
+@dataclass(frozen=True)
+class Case:
+    W: int
+    tokens: tuple  # tokens on each rank
+    H: int
+    F: int
+    E: int
+    K: int
+    act: str = "swiglu"
+    bias: bool = False
+    routing: str = "uniform"
+    seed: int = 0
+
+    def __str__(self):
+        return (
+            f"W{self.W}-T{'_'.join(map(str, self.tokens))}-H{self.H}-F{self.F}-E{self.E}"
+            f"-K{self.K}-{self.act}{'-bias' if self.bias else ''}-{self.routing}"
+        )
+
+
+def route_ids(routing: str, T: int, E: int, K: int, W: int, g: torch.Generator) -> torch.Tensor:
+    """``[T, K]`` int64 global expert ids for one rank.
+
+    uniform: K distinct experts per token; zipf: distinct experts drawn with Zipf-like
+    probabilities over a random expert order (a few hot experts); hot: every assignment on one
+    expert (duplicate ids inside a token when K > 1); sparse: the experts of the last rank (and
+    so of a whole rank, when W > 1) never chosen; drop: uniform with about a third of the ids
+    -1 and token 0 fully dropped; dup: ids drawn with replacement (duplicates, uneven load).
+    """
+    El = E // W
+    if T == 0:
+        return torch.zeros(0, K, dtype=torch.int64)
+    if routing == "hot":
+        e = int(torch.randint(E, (1,), generator=g))
+        return torch.full((T, K), e, dtype=torch.int64)
+    if routing == "dup":
+        return torch.randint(E, (T, K), generator=g)
+    if routing == "zipf":
+        order = torch.randperm(E, generator=g)
+        p = torch.empty(E)
+        p[order] = 1.0 / torch.arange(1, E + 1, dtype=torch.float32) ** 1.5
+        return torch.multinomial(p.expand(T, E), K, replacement=False, generator=g)
+    allowed = torch.arange(E)
+    if routing == "sparse":
+        allowed = torch.arange(E - El) if E - El >= K else torch.arange(K)
+    ids = torch.stack([allowed[torch.randperm(allowed.numel(), generator=g)[:K]] for _ in range(T)])
+    if routing == "drop":
+        ids[torch.rand(T, K, generator=g) < 0.35] = -1
+        ids[0] = -1
+    elif routing not in ("uniform", "sparse"):
+        raise ValueError(f"unknown routing {routing!r}")
+    return ids
+
+
+@dataclass
+class Problem:
+    case: Case
+    glob: dict  # w1 [E, rows, H], w2 [E, H, F], b1 [E, rows] | None, b2 [E, H] | None
+    x: list  # per rank [T_r, H]
+    ids: list  # per rank [T_r, K] int64
+    wts: list  # per rank [T_r, K]
+    gy: list  # per rank [T_r, H] upstream gradient
+
+    @property
+    def El(self):
+        return self.case.E // self.case.W
+
+
+def make_problem(case: Case, dtype=torch.float32) -> Problem:
+    """Fresh random inputs in ``dtype`` (the reference upcasts exactly these values)."""
+    g = torch.Generator().manual_seed(1000 * case.seed + 17 * case.W + case.E + case.K)
+    rows = w1_rows(case.act, case.F)
+    glob = dict(
+        w1=randn((case.E, rows, case.H), dtype, generator=g, scale=case.H**-0.5),
+        w2=randn((case.E, case.H, case.F), dtype, generator=g, scale=case.F**-0.5),
+        b1=randn((case.E, rows), dtype, generator=g, scale=0.5) if case.bias else None,
+        b2=randn((case.E, case.H), dtype, generator=g, scale=0.5) if case.bias else None,
+    )
+    xs, ids, wts, gys = [], [], [], []
+    for T in case.tokens:
+        xs.append(randn((T, case.H), dtype, generator=g))
+        ids.append(route_ids(case.routing, T, case.E, case.K, case.W, g))
+        wts.append((torch.rand(T, case.K, generator=g) + 0.1).to(dtype))
+        gys.append(randn((T, case.H), dtype, generator=g))
+    return Problem(case, glob, xs, ids, wts, gys)
+
+
+# ------------------------------------------------------------------------------ runs
+def poison_workspace(world):
+    """NaN bytes over this rank's symmetric workspace (collective: every rank calls it)."""
+    ws = world.workspace(1 << 20)
+    ws.local.fill_(0xFF)
+    world.barrier()
+
+
+def local_leaves(prob: Problem, rank: int, grads_of=GRAD_NAMES, transform=None):
+    """This rank's inputs as fresh leaf tensors; ``grads_of`` of them require grad."""
+    sl = slice(rank * prob.El, (rank + 1) * prob.El)
+    leaves = dict(x=prob.x[rank].clone(), topk_weights=prob.wts[rank].clone())
+    for k, v in prob.glob.items():
+        leaves[k] = None if v is None else v[sl].clone()
+    if transform is not None:
+        leaves = transform(leaves)
+    for k in grads_of:
+        if leaves[k] is not None:
+            leaves[k].requires_grad_(True)
+    return leaves
+
+
+def call(leaves, ids, world, act, **kw):
+    return mo.fused_experts(
+        leaves["x"],
+        ids,
+        leaves["topk_weights"],
+        leaves["w1"],
+        leaves["w2"],
+        world,
+        activation=act,
+        b1=leaves["b1"],
+        b2=leaves["b2"],
+        **kw,
+    )
+
+
+def run_fused(
+    prob: Problem, backward=True, grads_of=GRAD_NAMES, transform=None, gy_layout=None, **kw
+):
+    """Per rank: (y, {name: grad}); ``gy_layout`` may restride the upstream gradient."""
+    c = prob.case
+
+    def fn(world):
+        r = world.rank
+        leaves = local_leaves(prob, r, grads_of if backward else (), transform)
+        poison_workspace(world)
+        y = call(leaves, prob.ids[r], world, c.act, **kw)
+        assert y.shape == (c.tokens[r], c.H) and y.dtype == leaves["x"].dtype
+        grads = {}
+        if backward:
+            gy = prob.gy[r] if gy_layout is None else gy_layout(prob.gy[r])
+            y.backward(gy)
+            grads = {k: leaves[k].grad for k in grads_of if leaves[k] is not None}
+        return y.detach(), grads
+
+    return spawn(c.W, fn, timeout=120)
+
+
+def run_reference(prob: Problem):
+    """float64: per-rank outputs, per-rank grads of x and topk_weights, global weight grads."""
+    c = prob.case
+    glob = {k: None if v is None else v.to(f64).requires_grad_() for k, v in prob.glob.items()}
+    ys, per_rank, loss = [], [], torch.zeros((), dtype=f64)
+    for r in range(c.W):
+        x = prob.x[r].to(f64).requires_grad_()
+        w = prob.wts[r].to(f64).requires_grad_()
+        y = ref.experts(x, prob.ids[r], w, glob["w1"], glob["w2"], c.act, glob["b1"], glob["b2"])
+        ys.append(y.detach())
+        per_rank.append((x, w))
+        loss = loss + (y * prob.gy[r].to(f64)).sum()
+    inputs = [t for xw in per_rank for t in xw] + [v for v in glob.values() if v is not None]
+    if loss.requires_grad:
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+    else:  # no assignment anywhere
+        grads = [None] * len(inputs)
+    grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(inputs, grads)]
+    it = iter(grads)
+    rank_grads = [dict(x=next(it), topk_weights=next(it)) for _ in range(c.W)]
+    glob_grads = {k: (None if v is None else next(it)) for k, v in glob.items()}
+    return ys, rank_grads, glob_grads
+
+
+def check_against_reference(prob: Problem, got, grads_of=GRAD_NAMES, dtype=torch.float32):
+    c = prob.case
+    ys, rank_grads, glob_grads = run_reference(prob)
+    for r in range(c.W):
+        y_got, g_got = got[r]
+        assert_close(y_got, ys[r], dtype=dtype, name=f"{c} rank {r}: y")
+        sl = slice(r * prob.El, (r + 1) * prob.El)
+        for k in grads_of:
+            want = rank_grads[r][k] if k in rank_grads[r] else glob_grads[k]
+            if want is None:  # no bias in this case
+                continue
+            if k not in rank_grads[r]:
+                want = want[sl]
+            assert k in g_got and g_got[k] is not None, f"{c} rank {r}: no grad for {k}"
+            assert_close(g_got[k], want, dtype=dtype, name=f"{c} rank {r}: d{k}")
+
+
+# ------------------------------------------------------------------------------ forward+backward
+CASES = [
+    Case(1, (9,), 13, 7, 4, 2, "swiglu", True, "uniform"),
+    Case(1, (12,), 24, 20, 8, 1, "gelu", False, "zipf"),
+    Case(1, (7,), 13, 20, 3, 3, "relu", True, "drop"),  # K = E
+    Case(2, (8, 5), 24, 7, 4, 4, "silu", False, "uniform"),  # K = E
+    Case(2, (10, 0), 13, 20, 6, 2, "swiglu", False, "hot"),  # a rank with no tokens
+    Case(2, (12, 11), 13, 7, 6, 6, "gelu", True, "hot"),  # 72 rows per source: 2 chunks
+    Case(3, (5, 0, 9), 24, 20, 6, 2, "relu", False, "sparse"),  # rank 2's experts empty
+    Case(3, (4, 7, 6), 13, 7, 9, 1, "silu", True, "zipf"),
+    Case(3, (0, 6, 3), 24, 7, 3, 2, "gelu", False, "drop"),  # El = 1
+    Case(4, (6, 3, 0, 8), 13, 20, 8, 3, "swiglu", True, "drop"),
+    Case(4, (5, 5, 5, 5), 24, 7, 16, 4, "relu", True, "uniform"),  # E = 16
+    Case(4, (3, 9, 1, 2), 13, 7, 4, 1, "silu", False, "sparse"),  # El = 1, K = 1
+    Case(4, (4, 4, 0, 7), 24, 20, 8, 2, "gelu", True, "dup"),
+    Case(2, (0, 0), 13, 7, 4, 2, "swiglu", True, "uniform"),  # nobody has tokens
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_forward_backward_matches_reference(case):
+    prob = make_problem(case)
+    got = run_fused(prob)
+    check_against_reference(prob, got)
+
+
+@pytest.mark.parametrize("expert", [2, 5])  # local to rank 1, or on rank 2
+def test_one_assignment_in_the_whole_world(expert):
+    # Every id -1 but one: most experts and ranks empty, dropped tokens give exactly 0.
+    case = Case(3, (4, 5, 2), 13, 7, 6, 2, "swiglu", True, "uniform")
+    prob = make_problem(case)
+    for r in range(case.W):
+        prob.ids[r].fill_(-1)
+    prob.ids[1][2, 1] = expert
+    got = run_fused(prob)
+    check_against_reference(prob, got)
+    for r in range(case.W):
+        y, grads = got[r][0], got[r][1]
+        rows = [t for t in range(case.tokens[r]) if not (r == 1 and t == 2)]
+        assert torch.equal(y[rows], torch.zeros_like(y[rows])), "dropped tokens must give 0"
+        if r != 1:
+            assert torch.equal(grads["x"], torch.zeros_like(grads["x"]))
+            assert torch.equal(grads["topk_weights"], torch.zeros(case.tokens[r], case.K))
+
+
+# ------------------------------------------------------------------------------ repeated calls
+def test_repeated_calls_are_bitwise_identical_and_layouts_change():
+    # Several ops on one world: flags and epochs reset, the workspace is reused and regrown,
+    # the combine is deterministic. Between the repeats, a different routing and token count.
+    case = Case(3, (6, 0, 4), 13, 20, 6, 2, "gelu", True, "uniform")
+    prob = make_problem(case)
+    other = make_problem(Case(3, (11, 9, 1), 13, 20, 6, 3, "gelu", True, "zipf", seed=1))
+
+    def fn(world):
+        r = world.rank
+        leaves = local_leaves(prob, r, ())
+        leaves_o = local_leaves(other, r, ())
+        poison_workspace(world)
+        first = call(leaves, prob.ids[r], world, case.act)
+        second = call(leaves, prob.ids[r], world, case.act)
+        mid = call(leaves_o, other.ids[r], world, case.act)
+        with torch.no_grad():
+            third = call(leaves, prob.ids[r], world, case.act)
+        grad_leaves = local_leaves(prob, r)
+        fourth = call(grad_leaves, prob.ids[r], world, case.act)  # saves tensors for backward
+        return first, second, third, fourth.detach(), mid
+
+    out = spawn(case.W, fn, timeout=120)
+    ys, _, _ = run_reference(prob)
+    ys_o, _, _ = run_reference(other)
+    for r, (first, second, third, fourth, mid) in enumerate(out):
+        assert_close(first, ys[r], name=f"rank {r}: y")
+        assert_close(mid, ys_o[r], name=f"rank {r}: y of the other routing")
+        for name, y in (("second", second), ("no_grad", third), ("requires_grad", fourth)):
+            assert torch.equal(y, first), f"rank {r}: {name} call differs bitwise from the first"
+
+
+@pytest.mark.parametrize("W,tokens", [(1, (7,)), (3, (5, 0, 9))])
+def test_static_sizing_equals_exact_sizing(W, tokens):
+    case = Case(W, tokens, 24, 7, 3 * W, 2, "swiglu", True, "zipf", seed=3)
+    prob = make_problem(case)
+    exact = run_fused(prob)
+    static = run_fused(prob, max_tokens_per_rank=12)
+    check_against_reference(prob, static)
+    for r in range(W):
+        assert torch.equal(static[r][0], exact[r][0]), f"rank {r}: y static != exact"
+        for k, g in exact[r][1].items():
+            assert_close(static[r][1][k], g, rtol=1e-5, atol=1e-5, name=f"rank {r}: d{k}")
+
+
+def test_max_tokens_per_rank_equal_to_tokens_is_fine():
+    case = Case(2, (6, 3), 13, 7, 4, 2, "silu", False, "uniform")
+    prob = make_problem(case)
+    got = run_fused(prob, max_tokens_per_rank=6)
+    check_against_reference(prob, got)
+
+
+DUP_CASES = [(1, 1, 3), (2, 2, 2)]  # (W, E, K) with K > El
+
+
+def _dup_problem(W, E, K):
+    return make_problem(Case(W, (12,) * W, 13, 7, E, K, "swiglu", False, "hot"))
+
+
+def static_layout_probe():
+    """Build static layouts for :data:`DUP_CASES` and check their capacity on the host."""
+    for W, E, K in DUP_CASES:
+        prob = _dup_problem(W, E, K)
+
+        def fn(world, prob=prob, E=E):
+            lay = fused.dispatch_layout(prob.ids[world.rank], E, world, max_tokens_per_rank=12)
+            return int(lay.n_tiles[0]) * lay.block_m, lay.rows_cap
+
+        for r, (need, cap) in enumerate(spawn(W, fn, timeout=60)):
+            assert need <= cap, f"W={W} E={E} K={K} rank {r}: {need} rows > rows_cap {cap}"
+    print("probe ok")
+
+
+def test_static_sizing_holds_duplicate_ids():
+    # Duplicate ids in a token send K rows of one token to one expert: with K > El a rank can
+    # receive W * T * K rows. An undersized static layout is written out of bounds (measured:
+    # it aborts the process inside build_layout), so the layouts are first built in a child.
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_fused_experts as t; t.static_layout_probe()"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0 and "probe ok" in res.stdout, (
+        f"static layout with duplicate ids failed (rc {res.returncode}; an abort means "
+        "build_layout laid out more rows than its static rows_cap):\n"
+        f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    )
+    for W, E, K in DUP_CASES:
+        prob = _dup_problem(W, E, K)
+        check_against_reference(prob, run_fused(prob, max_tokens_per_rank=12))
+
+
+def test_workspace_growth_between_calls():
+    # No pre-grown workspace: the first call allocates it; then another op of the same world
+    # grows it (the world's workspace is shared by every op), the old one is gone, and the
+    # next call must use the new one (poisoned) and reproduce the first bitwise.
+    case = Case(2, (6, 5), 24, 20, 4, 2, "relu", True, "uniform")
+    prob = make_problem(case)
+
+    def fn(world):
+        r = world.rank
+        lv = local_leaves(prob, r, ())
+        y1 = call(lv, prob.ids[r], world, "relu")
+        old = world.workspace(0)
+        grown = world.workspace(2 * old.local.numel())  # collective: every rank asks the same
+        assert grown.local.data_ptr() != old.local.data_ptr()
+        old.local.fill_(0)
+        grown.local.fill_(0xFF)
+        world.barrier()
+        y2 = call(lv, prob.ids[r], world, "relu")
+        return y1, y2
+
+    ys = run_reference(prob)[0]
+    for r, (y1, y2) in enumerate(spawn(2, fn, timeout=60)):
+        assert_close(y1, ys[r], name=f"rank {r}: y")
+        assert torch.equal(y2, y1), f"rank {r}: the call after growth differs"
+
+
+def test_two_layers_backward_in_reverse_order_and_twice():
+    # A model's pattern: forward layer A, forward layer B (other routing, other H), backward B,
+    # backward A, on one world; then A's backward again (retain_graph): bitwise the same.
+    a = make_problem(Case(3, (5, 0, 7), 13, 20, 6, 2, "swiglu", True, "drop"))
+    b = make_problem(Case(3, (9, 4, 2), 24, 7, 6, 3, "silu", False, "zipf", seed=2))
+
+    def fn(world):
+        r = world.rank
+        lv_a, lv_b = local_leaves(a, r), local_leaves(b, r)
+        y_a = call(lv_a, a.ids[r], world, "swiglu")
+        y_b = call(lv_b, b.ids[r], world, "silu")
+        y_b.backward(b.gy[r])
+        names = [k for k in GRAD_NAMES if lv_a[k] is not None]
+        g1 = torch.autograd.grad(y_a, [lv_a[k] for k in names], a.gy[r], retain_graph=True)
+        g2 = torch.autograd.grad(y_a, [lv_a[k] for k in names], a.gy[r])
+        for k, u, v in zip(names, g1, g2):
+            assert torch.equal(u, v), f"rank {r}: d{k} differs between two backward passes"
+        grads_b = {k: v.grad for k, v in lv_b.items() if v is not None}
+        return (y_a.detach(), dict(zip(names, g1))), (y_b.detach(), grads_b)
+
+    out = spawn(3, fn, timeout=120)
+    check_against_reference(a, [o[0] for o in out])
+    check_against_reference(b, [o[1] for o in out])
+
+
+@pytest.mark.parametrize("wdtype", [torch.float64, torch.bfloat16])
+def test_topk_weights_of_another_float_dtype(wdtype):
+    case = Case(2, (6, 5), 13, 7, 4, 2, "gelu", True, "uniform", seed=8)
+    prob = make_problem(case)
+    prob.wts = [w.to(wdtype) for w in prob.wts]
+    got = run_fused(prob)
+    check_against_reference(prob, got)
+    for r in range(case.W):
+        assert got[r][1]["topk_weights"].dtype == wdtype
+
+
+# ------------------------------------------------------------------------------ grads subsets
+@pytest.mark.parametrize(
+    "W,grads_of",
+    [
+        (2, ("x", "topk_weights")),  # frozen experts: the router still learns
+        (1, ("w1", "b2")),  # x needs no grad
+        (3, ("topk_weights",)),
+    ],
+)
+def test_partial_requires_grad(W, grads_of):
+    case = Case(W, (5, 8, 0)[:W], 13, 20, 2 * W, 2, "swiglu", True, "uniform", seed=4)
+    prob = make_problem(case)
+    got = run_fused(prob, grads_of=grads_of)
+    check_against_reference(prob, got, grads_of=grads_of)
+    for r in range(W):
+        assert set(got[r][1]) == set(grads_of)
+
+
+# ------------------------------------------------------------------------------ layouts of inputs
+def _noncontiguous(leaves):
+    """Same values, strided storage: x a column slice, weights transposed views."""
+    out = dict(leaves)
+    x = leaves["x"]
+    out["x"] = torch.cat([x, torch.randn_like(x)], 1)[:, : x.shape[1]]
+    out["w1"] = leaves["w1"].transpose(1, 2).contiguous().transpose(1, 2)
+    out["w2"] = leaves["w2"].transpose(1, 2).contiguous().transpose(1, 2)
+    w = leaves["topk_weights"]
+    out["topk_weights"] = w.t().contiguous().t()
+    for k in ("x", "w1", "w2"):
+        assert not out[k].is_contiguous()
+    return {k: (None if v is None else v.detach()) for k, v in out.items()}
+
+
+def test_noncontiguous_inputs_and_int32_ids():
+    case = Case(2, (7, 4), 13, 20, 4, 2, "relu", True, "zipf", seed=5)
+    prob = make_problem(case)
+    prob.ids = [i.to(torch.int32) for i in prob.ids]
+    got = run_fused(prob, transform=_noncontiguous, gy_layout=lambda g: g.t().contiguous().t())
+    check_against_reference(prob, got)
+
+
+def test_fp16():
+    case = Case(2, (9, 5), 24, 20, 4, 2, "swiglu", True, "uniform", seed=6)
+    prob = make_problem(case, dtype=torch.float16)
+    got = run_fused(prob)
+    check_against_reference(prob, got, dtype=torch.float16)
+    for r in range(case.W):
+        assert got[r][0].dtype == torch.float16
+        assert got[r][1]["w1"].dtype == torch.float16
+
+
+def test_default_world_is_a_local_world():
+    case = Case(1, (6,), 13, 7, 3, 2, "swiglu", False, "uniform")
+    prob = make_problem(case)
+    leaves = local_leaves(prob, 0, ())
+    y_default = mo.fused_experts(
+        leaves["x"], prob.ids[0], leaves["topk_weights"], leaves["w1"], leaves["w2"]
+    )
+    y_local = call(leaves, prob.ids[0], local_world("cpu"), case.act)
+    assert torch.equal(y_default, y_local)
+    assert_close(y_default, run_reference(prob)[0][0])
+
+
+def test_layer0_layer1_api_equals_fused_experts():
+    # The benchmark entry points, also used by the GPU test that delays producers per layer.
+    case = Case(3, (6, 2, 5), 24, 20, 6, 2, "swiglu", True, "drop", seed=7)
+    prob = make_problem(case)
+
+    def fn(world):
+        r = world.rank
+        lv = local_leaves(prob, r, ())
+        poison_workspace(world)
+        layout = fused.dispatch_layout(prob.ids[r], case.E, world)
+        h = fused.layer0(lv["x"], layout, lv["w1"], world, case.act, b1=lv["b1"])
+        y = fused.layer1(h, layout, lv["topk_weights"], lv["w2"], world, b2=lv["b2"])
+        return y, call(lv, prob.ids[r], world, case.act)
+
+    ys, _, _ = run_reference(prob)
+    for r, (y, y_fused) in enumerate(spawn(case.W, fn, timeout=120)):
+        assert_close(y, ys[r], name=f"rank {r}: layer1(layer0(x))")
+        assert torch.equal(y, y_fused)
+
+
+# ------------------------------------------------------------------------------ timeouts
+class _SkipProducers:
+    """Stands in for ``_layer0_kernel``: drops the producer launches of one rank."""
+
+    def __init__(self, kernel, rank):
+        self.kernel, self.rank = kernel, rank
+
+    def __getitem__(self, grid):
+        def launch(**kw):
+            if kw["ROLE"] == 1 and kw["rank"] == self.rank:
+                return None
+            return self.kernel[grid](**kw)
+
+        return launch
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # tiles that gave up read garbage
+def test_missing_dispatch_producer_raises_comm_timeout(monkeypatch):
+    # Rank 1 keeps the protocol's barriers but its dispatch producers never run: rank 0's GEMM
+    # tiles wait for rank 1's rows of expert 0, give up, and end_op raises at once on the CPU.
+    monkeypatch.setenv("MOE_OVERLAP_WAIT_ITERS", "20")
+    monkeypatch.setattr(fused, "_layer0_kernel", _SkipProducers(fused._layer0_kernel, 1))
+    case = Case(2, (3, 4), 13, 7, 4, 2, "swiglu", False, "uniform")
+    prob = make_problem(case)
+    prob.ids[1] = torch.tensor([[0, 1], [0, 2], [0, 3], [1, 0]])  # 5 rows for rank 0's experts
+
+    def fn(world):
+        assert world.wait_budget == 20
+        leaves = local_leaves(prob, world.rank, ())
+        return call(leaves, prob.ids[world.rank], world, case.act)
+
+    with pytest.raises(CommTimeoutError) as ei:
+        spawn(case.W, fn, timeout=60)
+    e = ei.value
+    El = case.E // case.W
+    assert (e.rank, e.stage, e.seen) == (0, STAGE_DISPATCH, 0)
+    # Flag src * El + l: rank 1's slice of local expert 0 (4 rows) or 1 (1 row).
+    assert (e.index, e.expected) in ((1 * El + 0, 4), (1 * El + 1, 1))
+    assert "dispatch" in str(e)
+
+
+# ------------------------------------------------------------------------------ bad input
+T0, H0, F0, El0, K0 = 4, 8, 6, 2, 2
+
+
+def _valid(act="swiglu"):
+    g = torch.Generator().manual_seed(11)
+    rows = w1_rows(act, F0)
+    return dict(
+        x=randn((T0, H0), generator=g),
+        topk_ids=torch.tensor([[0, 1], [1, -1], [0, 0], [-1, -1]]),
+        topk_weights=torch.rand(T0, K0, generator=g),
+        w1=randn((El0, rows, H0), generator=g),
+        w2=randn((El0, H0, F0), generator=g),
+        activation=act,
+        b1=None,
+        b2=None,
+    )
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+BAD = [
+    ("x 1-D", dict(x=torch.randn(T0 * H0)), ValueError, "x"),
+    ("x int", dict(x=torch.ones(T0, H0, dtype=torch.int32)), TypeError, "x"),
+    ("x not a tensor", dict(x=[[0.0] * H0] * T0), TypeError, "x"),
+    ("hidden size", dict(w2=torch.randn(El0, H0 + 1, F0)), ValueError, "hidden size"),
+    ("w1 rows", dict(w1=torch.randn(El0, F0, H0)), ValueError, "w1"),
+    ("w1 hidden", dict(w1=torch.randn(El0, 2 * F0, H0 - 1)), ValueError, "w1"),
+    ("w1 experts", dict(w1=torch.randn(El0 + 1, 2 * F0, H0)), ValueError, "w1"),
+    ("w1 2-D", dict(w1=torch.randn(2 * F0, H0)), ValueError, "w1"),
+    ("w1 dtype", dict(w1=torch.randn(El0, 2 * F0, H0, dtype=torch.float16)), TypeError, "w1"),
+    ("w2 int", dict(w2=torch.ones(El0, H0, F0, dtype=torch.int64)), TypeError, "w2"),
+    ("ids float", dict(topk_ids=torch.zeros(T0, K0)), TypeError, "topk_ids"),
+    ("ids rows", dict(topk_ids=torch.zeros(T0 + 1, K0, dtype=torch.long)), ValueError, "topk_ids"),
+    (
+        "ids no columns",
+        dict(topk_ids=torch.zeros(T0, 0, dtype=torch.long), topk_weights=torch.zeros(T0, 0)),
+        ValueError,
+        "topk_ids",
+    ),
+    (
+        "ids >= E",
+        dict(topk_ids=torch.tensor([[0, 1], [2, 0], [0, 0], [1, 1]])),
+        ValueError,
+        "topk_ids",
+    ),
+    (
+        "ids < -1",
+        dict(topk_ids=torch.tensor([[0, 1], [-2, 0], [0, 0], [1, 1]])),
+        ValueError,
+        "topk_ids",
+    ),
+    ("weights shape", dict(topk_weights=torch.rand(T0, K0 + 1)), ValueError, "topk_weights"),
+    (
+        "weights int",
+        dict(topk_weights=torch.ones(T0, K0, dtype=torch.int32)),
+        TypeError,
+        "topk_weights",
+    ),
+    ("b1 shape", dict(b1=torch.randn(El0, F0)), ValueError, "b1"),
+    ("b2 shape", dict(b2=torch.randn(El0, H0 + 1)), ValueError, "b2"),
+    ("b1 not a tensor", dict(b1=1.0), ValueError, "b1"),
+    ("activation", dict(activation="tanh"), ValueError, "activation"),
+    ("activation none", dict(activation="none"), ValueError, "activation"),
+    ("w1 device", dict(w1=_meta(torch.empty(El0, 2 * F0, H0))), ValueError, "w1"),
+    ("b2 device", dict(b2=_meta(torch.empty(El0, H0))), ValueError, "b2"),
+    (
+        "ids device",
+        dict(topk_ids=_meta(torch.zeros(T0, K0, dtype=torch.long))),
+        ValueError,
+        "topk_ids",
+    ),
+]
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if anything past input validation runs."""
+
+    def boom(*a, **k):
+        raise AssertionError("launched despite bad input")
+
+    for name in ("build_layout", "_launch_layer0", "_launch_layer1"):
+        monkeypatch.setattr(fused, name, boom)
+
+
+@pytest.mark.parametrize("what,change,err,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_before_launch(what, change, err, match, no_launch):
+    kw = _valid()
+    kw.update(change)
+    with pytest.raises(err, match=match):
+        mo.fused_experts(world=local_world("cpu"), **kw)
+
+
+def test_tokens_above_max_tokens_per_rank(no_launch):
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        mo.fused_experts(world=local_world("cpu"), max_tokens_per_rank=T0 - 1, **_valid())
+
+
+def test_ids_out_of_range_on_a_multi_rank_world(no_launch):
+    # E = El * W = 4: id 3 would be fine, id 4 is out of range on every rank.
+    def fn(world):
+        kw = _valid()
+        kw["topk_ids"] = torch.tensor([[0, 3], [1, -1], [4, 0], [-1, -1]])
+        mo.fused_experts(world=world, **kw)
+
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[-1, 4\)"):
+        spawn(2, fn, timeout=30)
+
+
+def test_num_experts_not_divisible_by_world_size(no_launch):
+    def fn(world):
+        fused.dispatch_layout(torch.zeros(3, 1, dtype=torch.long), 5, world)
+
+    with pytest.raises(ValueError, match="divisible"):
+        spawn(2, fn, timeout=30)

@@ -1,0 +1,171 @@
+"""``Router`` (vectorized, no host sync) against ``reference.route`` (per-token loops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_overlap import reference as ref
+from moe_overlap.config import MoEConfig
+from moe_overlap.dispatch.router import ROUTER_INIT_STD, Router, init_router_weight_
+from moe_overlap.testing import assert_close, randn
+
+f64 = torch.float64
+E, H = 8, 11
+
+# Each variant is one mix of the options; K runs over every legal value inside the test.
+VARIANTS = {
+    "plain": dict(),
+    "nonorm_scaled": dict(norm_topk_prob=False, routed_scaling_factor=2.5),
+    "groups": dict(n_group=4, topk_group=2),
+    "bias": dict(router_bias=True),
+    "groups_bias_cap": dict(n_group=2, topk_group=1, router_bias=True, capacity_factor=1.0),
+    "cap_tight_scaled": dict(capacity_factor=0.5, routed_scaling_factor=1.7),
+    "cap_loose_nonorm": dict(capacity_factor=1.25, norm_topk_prob=False),
+}
+
+
+def _cfgs(variant, score_func, **extra):
+    for K in range(1, E + 1):
+        kw = dict(VARIANTS[variant], score_func=score_func, aux_loss_coef=0.7, z_loss_coef=0.05)
+        kw.update(extra)
+        try:
+            yield MoEConfig(H, 5, E, K, **kw)
+        except ValueError:  # K above what the kept groups hold
+            continue
+
+
+def _router(cfg, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = Router(cfg, generator=g).to(dtype)
+    with torch.no_grad():
+        r.weight.mul_(30)  # spread the scores so routing is far from ties
+        if cfg.router_bias:
+            r.e_score_correction_bias.copy_(randn((E,), generator=g, scale=0.3))
+    return r
+
+
+@pytest.mark.parametrize("T", [0, 1, 7, 33])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_router_matches_reference(variant, score_func, T):
+    for i, cfg in enumerate(_cfgs(variant, score_func)):
+        r = _router(cfg, f64, seed=100 + i)
+        x = randn((T, H), f64, generator=torch.Generator().manual_seed(T + i))
+        out = r(x)
+        want = ref.route(x, r.weight, cfg, r.e_score_correction_bias)
+        tag = f"K={cfg.top_k}"
+        assert out.topk_ids.dtype == torch.int64 and out.counts.dtype == torch.int64
+        assert torch.equal(out.topk_ids, want.topk_ids), tag
+        assert torch.equal(out.counts, want.counts), tag
+        assert_close(out.topk_weights, want.topk_weights, rtol=1e-12, atol=1e-12, name=tag)
+        aux = cfg.aux_loss_coef * want.aux_loss + cfg.z_loss_coef * want.z_loss
+        assert_close(out.aux_loss, aux, rtol=1e-12, atol=1e-12, name=tag)
+        assert torch.isfinite(out.aux_loss)
+        if cfg.capacity_factor is not None:
+            assert int(out.counts.max()) <= cfg.capacity(T), tag
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize(
+    "variant", ["plain", "nonorm_scaled", "groups_bias_cap", "cap_tight_scaled"]
+)
+@pytest.mark.parametrize("K", [1, 2, 4])
+def test_router_gradients(variant, score_func, K):
+    cfg = MoEConfig(
+        H, 5, E, K, score_func=score_func, aux_loss_coef=0.7, z_loss_coef=0.05, **VARIANTS[variant]
+    )
+    T = 13
+    g = torch.Generator().manual_seed(K)
+    r = _router(cfg, torch.float32, seed=K)
+    x32 = randn((T, H), generator=g).requires_grad_()
+    G = randn((T, K), generator=g)
+    out = r(x32)
+    ((out.topk_weights * G).sum() + out.aux_loss).backward()
+
+    w64 = r.weight.detach().double().requires_grad_()
+    x64 = x32.detach().double().requires_grad_()
+    bias = r.e_score_correction_bias
+    want = ref.route(x64, w64, cfg, None if bias is None else bias.double())
+    assert torch.equal(out.topk_ids, want.topk_ids)
+    aux = cfg.aux_loss_coef * want.aux_loss + cfg.z_loss_coef * want.z_loss
+    ((want.topk_weights * G.double()).sum() + aux).backward()
+    assert out.topk_weights.dtype == torch.float32 and out.aux_loss.dtype == torch.float32
+    assert_close(out.topk_weights, want.topk_weights, name="topk_weights")
+    assert_close(out.aux_loss, aux, name="aux_loss")
+    assert_close(r.weight.grad, w64.grad, name="router weight grad")
+    assert_close(x32.grad, x64.grad, name="x grad")
+
+
+def test_router_low_precision_input_uses_fp32_logits():
+    cfg = MoEConfig(H, 5, E, 2, aux_loss_coef=0.1)
+    r = _router(cfg, torch.float32, seed=5)
+    x = randn((9, H), torch.bfloat16, generator=torch.Generator().manual_seed(5))
+    out = r(x)
+    want = ref.route(x.double(), r.weight.double(), cfg)
+    assert out.topk_weights.dtype == torch.float32 and out.aux_loss.dtype == torch.float32
+    assert torch.equal(out.topk_ids, want.topk_ids)
+    assert_close(out.topk_weights, want.topk_weights, dtype=torch.float32)
+
+
+def test_router_zero_coefs_and_zero_tokens():
+    cfg = MoEConfig(H, 5, E, 3, capacity_factor=1.0, aux_loss_coef=1.0, z_loss_coef=1.0)
+    r = _router(cfg, torch.float32, seed=6)
+    out = r(torch.zeros(0, H))
+    assert out.topk_ids.shape == (0, 3) and out.aux_loss.item() == 0.0
+    out.aux_loss.backward()
+    assert torch.equal(r.weight.grad, torch.zeros_like(r.weight))
+    r0 = _router(MoEConfig(H, 5, E, 3), torch.float32, seed=6)
+    assert r0(randn((4, H))).aux_loss.item() == 0.0
+
+
+def test_router_no_host_sync_on_meta():
+    # Meta tensors have no data: any .item(), nonzero, bincount or boolean indexing would fail.
+    cfg = MoEConfig(
+        H,
+        5,
+        E,
+        3,
+        score_func="sigmoid",
+        n_group=4,
+        topk_group=2,
+        router_bias=True,
+        capacity_factor=1.0,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.1,
+    )
+    r = Router(cfg, device="meta")
+    out = r(torch.empty(17, H, device="meta"))
+    assert out.topk_ids.shape == (17, 3) and out.counts.shape == (E,)
+
+
+def test_router_module_and_init():
+    cfg = MoEConfig(H, 5, E, 2, router_bias=True)
+    a = Router(cfg, generator=torch.Generator().manual_seed(0))
+    b = Router(cfg, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert a.weight.shape == (E, H) and isinstance(a.weight, torch.nn.Parameter)
+    assert torch.equal(a.weight.double(), b.weight)  # same numbers for every dtype
+    assert "e_score_correction_bias" in a.state_dict()
+    assert a.e_score_correction_bias.dtype == torch.float32
+    assert Router(MoEConfig(H, 5, E, 2)).e_score_correction_bias is None
+    w = torch.empty(400, 50)
+    init_router_weight_(w, torch.Generator().manual_seed(1))
+    assert abs(w.std().item() - ROUTER_INIT_STD) < 0.002 and abs(w.mean().item()) < 0.002
+
+
+@pytest.mark.parametrize(
+    "x, err",
+    [
+        (torch.zeros(3, H + 1), ValueError),
+        (torch.zeros(2, 3, H), ValueError),
+        (torch.zeros(3, H, dtype=torch.int32), TypeError),
+        (torch.zeros(3, H, device="meta"), ValueError),
+        ([[0.0] * H], TypeError),
+    ],
+)
+def test_router_bad_input(x, err):
+    r = Router(MoEConfig(H, 5, E, 2))
+    with pytest.raises(err):
+        r(x)
+    with pytest.raises(TypeError):
+        Router(dict(hidden_size=H))
