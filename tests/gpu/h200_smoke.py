@@ -166,12 +166,20 @@ def bench(name, T, H, F, E, K):
         ("unfused1", unfused1, 2 * M * F * H),
         ("fused_experts", full, 2 * M * H * 3 * F),
     ):
-        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        try:
+            ms = triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - report and keep measuring the others
+            out[key] = dict(error=repr(e)[:300])
+            continue
         out[key] = dict(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-    out["ratio0_vs_gmm"] = round(out["gmm0"]["ms"] / out["fused0"]["ms"], 3)
-    out["ratio1_vs_gmm"] = round(out["gmm1"]["ms"] / out["fused1"]["ms"], 3)
-    out["ratio0_vs_unfused"] = round(out["unfused0"]["ms"] / out["fused0"]["ms"], 3)
-    out["ratio1_vs_unfused"] = round(out["unfused1"]["ms"] / out["fused1"]["ms"], 3)
+    for a, b in (
+        ("gmm0", "fused0"),
+        ("gmm1", "fused1"),
+        ("unfused0", "fused0"),
+        ("unfused1", "fused1"),
+    ):
+        if "ms" in out[a] and "ms" in out[b]:
+            out[f"{b}_vs_{a}"] = round(out[a]["ms"] / out[b]["ms"], 3)
     RES[name] = out
     print(name, json.dumps(out), flush=True)
 
