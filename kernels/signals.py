@@ -32,11 +32,19 @@ from .launch import launch
 
 @triton.jit
 def now_ns(USE_TIMER: tl.constexpr):
-    """Global nanosecond timer on the GPU; a constant 0 where inline asm cannot run."""
+    """Global nanosecond timer on the GPU; a constant 0 where inline asm cannot run.
+
+    Every thread reads ``%globaltimer`` itself, and the reads differ: a wait loop whose exit
+    depended on them would let threads of one program leave at different iterations and then
+    disagree at the CTA barrier (undefined behaviour; seen as an illegal instruction on the
+    H200). So the reads are reduced to one value the whole program agrees on.
+    """
     if USE_TIMER:
         t = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1
+            "mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([32], tl.int64)], dtype=tl.int64,
+            is_pure=False, pack=1,
         )
+        t = tl.max(t, axis=0)
     else:
         t = tl.full((), 0, tl.int64)
     return t
