@@ -41,8 +41,12 @@ def now_ns(USE_TIMER: tl.constexpr):
     """
     if USE_TIMER:
         t = tl.inline_asm_elementwise(
-            "mov.u64 $0, %globaltimer;", "=l,l", [tl.zeros([32], tl.int64)], dtype=tl.int64,
-            is_pure=False, pack=1,
+            "mov.u64 $0, %globaltimer;",
+            "=l,l",
+            [tl.zeros([32], tl.int64)],
+            dtype=tl.int64,
+            is_pure=False,
+            pack=1,
         )
         t = tl.max(t, axis=0)
     else:

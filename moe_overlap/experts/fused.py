@@ -65,7 +65,7 @@ def block_m() -> int:
     return 16 if interpreted() else 128
 
 
-def layer0_config(activation: str) -> dict:
+def layer0_config(activation: str, elem_size: int = 2) -> dict:
     """Block config of the layer-0 GEMM. ``MOE_OVERLAP_L0_CONFIG=BM,BN,BK,warps,stages`` pins
     one (BM must match layer 1's)."""
     cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
@@ -73,18 +73,21 @@ def layer0_config(activation: str) -> dict:
         return cfg
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
+    # 4-byte operands halve BK: 3 stages of 128x64 + 2x64x128 fp32 tiles need 288 KiB of shared
+    # memory, over the H200's 227 KiB (measured: the launch fails).
+    bk = 64 if elem_size <= 2 else 32
     if activation == "swiglu":  # two accumulators: a 128 x (2 x 128) tile
-        return dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3)
-    return dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+        return dict(BM=128, BN=128, BK=bk, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=256, BK=bk, num_warps=8, num_stages=3)
 
 
-def layer1_config() -> dict:
+def layer1_config(elem_size: int = 2) -> dict:
     cfg = _env_cfg("MOE_OVERLAP_L1_CONFIG")
     if cfg:
         return cfg
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
-    return dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+    return dict(BM=128, BN=256, BK=64 if elem_size <= 2 else 32, num_warps=8, num_stages=3)
 
 
 def _programs(world: World, total: int) -> int:
@@ -239,7 +242,7 @@ def _launch_layer0(
     """
     device = x.device
     W = world.world_size
-    cfg = layer0_config("swiglu" if act == "swiglu" else "plain")
+    cfg = layer0_config("swiglu" if act == "swiglu" else "plain", x.element_size())
     BM = layout.block_m
     R = layout.rows_cap
     H = x.shape[1]
@@ -384,7 +387,7 @@ def _launch_layer1(
     ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
     device = h.device
     W = world.world_size
-    cfg = layer1_config()
+    cfg = layer1_config(h.element_size())
     BM = layout.block_m
     T, K = layout.num_tokens, layout.top_k
     H = n_out

@@ -27,6 +27,7 @@ Op protocol (every fused op, same on every backend):
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -294,6 +295,17 @@ class World:
             self.barrier()  # every rank's producers have finished
             with launch_lock():
                 launch(ROLE_CONSUMER)
+
+    @contextlib.contextmanager
+    def backward_scope(self):
+        """Marks this rank's backward ops: they must not use host barriers (see
+        ``in_backward``)."""
+        prev = self.in_backward
+        self.in_backward = True
+        try:
+            yield
+        finally:
+            self.in_backward = prev
 
     def _needs_load_barrier(self) -> bool:
         return False
