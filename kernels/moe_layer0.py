@@ -29,7 +29,7 @@ Measured: see BENCHMARKS.md (the W=1 path is a gather-prologue grouped GEMM).
 import triton
 import triton.language as tl
 
-from .signals import peer_ptr, signal_add, wait_geq
+from .signals import peer_ptr, signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
 STAGE_DISPATCH = tl.constexpr(4)
@@ -89,6 +89,8 @@ def _layer0_kernel(
     rank,
     budget,
     n_comm,
+    trace_ptr,
+    trace_rows,
     H,
     N,
     K_top,
@@ -115,6 +117,7 @@ def _layer0_kernel(
     BH: tl.constexpr,
     GROUP_M: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -164,6 +167,8 @@ def _layer0_kernel(
         n_n = tl.cdiv(N, BN)
         total = n_m * n_n
         for t in range(cpid, total, cprog):
+            if TRACE:
+                t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
             mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
             r0 = mt * BM
             le = tl.load(row_l_ptr + r0)
@@ -188,6 +193,8 @@ def _layer0_kernel(
                             USE_TIMER,
                         )
                         nbad += tl.where(ok, 0, 1)
+            if TRACE:
+                t_wait = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
             tok = tl.load(row_tok_ptr + rows, mask=rmask, other=-2)
             a_row = tl.where(
                 tok >= 0, x_ptr + tok.to(tl.int64) * stride_xt, recv_local + rows.to(tl.int64) * H
@@ -255,3 +262,6 @@ def _layer0_kernel(
                 h.to(out_ptr.dtype.element_ty),
                 mask=omask,
             )
+            if TRACE:
+                t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
+                trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_wait, t_end)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .moe_layer0 import tile_coords
-from .signals import signal_add, wait_geq
+from .signals import signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
 STAGE_COMBINE = tl.constexpr(5)
@@ -52,6 +52,8 @@ def _layer1_gemm_kernel(
     err_ptr,
     rank,
     budget,
+    trace_ptr,
+    trace_rows,
     F,
     H,
     stride_hm,
@@ -68,6 +70,7 @@ def _layer1_gemm_kernel(
     BK: tl.constexpr,
     GROUP_M: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    TRACE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -82,6 +85,8 @@ def _layer1_gemm_kernel(
     n_n = tl.cdiv(H, BN)
     total = n_m * n_n
     for t in range(pid, total, nprog):
+        if TRACE:
+            t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
         mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
         r0 = mt * BM
         le = tl.load(row_l_ptr + r0)
@@ -125,6 +130,10 @@ def _layer1_gemm_kernel(
                     ns = tl.sum(tl.where(rmask & (src == s), 1, 0))
                     if ns > 0:
                         signal_add(tl.load(done_table + s).to(tl.pointer_type(tl.int32)) + nt, ns)
+        if TRACE:
+            # The GEMM tile never waits (its ready waits happen once, before the loop).
+            t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
+            trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_start, t_end)
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])

@@ -55,6 +55,31 @@ def now_ns(USE_TIMER: tl.constexpr):
 
 
 @triton.jit
+def trace_clock(clock_ptr, USE_TIMER: tl.constexpr):
+    """Timestamp of a per-tile trace event: ``%globaltimer`` on the GPU, a logical clock (an
+    atomic counter, so events stay ordered) in the interpreter."""
+    if USE_TIMER:
+        t = now_ns(USE_TIMER)
+    else:
+        t = tl.atomic_add(clock_ptr, 1).to(tl.int64) + 1
+    return t
+
+
+@triton.jit
+def trace_record(trace_ptr, n_rows, row, rank, pid, t_start, t_wait, t_end):
+    """One event row ``(rank, program, tile, start, wait done, end)`` of a ``[n, 6]`` int64
+    trace buffer (``moe_overlap.bench.trace`` reads it); rows past ``n_rows`` are dropped."""
+    if row < n_rows:
+        base = trace_ptr + row * 6
+        tl.store(base + 0, rank)
+        tl.store(base + 1, pid)
+        tl.store(base + 2, row)
+        tl.store(base + 3, t_start)
+        tl.store(base + 4, t_wait)
+        tl.store(base + 5, t_end)
+
+
+@triton.jit
 def load_acquire(flag_ptr):
     return tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
 

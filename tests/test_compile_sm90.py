@@ -51,6 +51,7 @@ _SCRIPT = textwrap.dedent(
         row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32", slice_off_ptr="*i32",
         slice_cnt_ptr="*i32", flags_local="*i32", row_scale_ptr="*fp32", w_ptr="*" + dt,
         b_ptr="*" + dt, out_ptr="*" + dt, gu_ptr="*" + dt, err_ptr="*i64", budget="i64",
+        trace_ptr="*i64",
     )
     t0 = types_for(moe_layer0._layer0_kernel, l0_ptrs)
     for role, W, (act, scale) in itertools.product((0, 1, 2), (1, 2), ((0, False), (4, True))):
@@ -59,19 +60,19 @@ _SCRIPT = textwrap.dedent(
         build(moe_layer0._layer0_kernel, t0, dict(
             W=W, El=4, ROLE=role, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
             HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
-            BH=128, GROUP_M=8, USE_TIMER=True))
+            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",
         n_tiles_ptr="*i32", row_src_ptr="*i32", row_slot_ptr="*i32", comb_local="*" + dt,
         comb_table="*i64", done_table="*i64", pad_local="*i32", epoch_ptr="*i32",
-        err_ptr="*i64", budget="i64",
+        err_ptr="*i64", budget="i64", trace_ptr="*i64",
     )
     t1 = types_for(moe_layer1._layer1_gemm_kernel, l1_ptrs)
     for W, bias in itertools.product((1, 2), (False, True)):
         build(moe_layer1._layer1_gemm_kernel, t1, dict(
             W=W, HAS_BIAS=bias, EVEN_K=True, ES=2, BM=128, BN=256, BK=64, GROUP_M=8,
-            USE_TIMER=True))
+            USE_TIMER=True, TRACE=bias))
         n += 1
     c_ptrs = dict(
         comb_local="*" + dt, slot_of_ptr="*i32", wts_ptr="*fp32", y_ptr="*" + dt,

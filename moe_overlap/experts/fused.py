@@ -219,6 +219,25 @@ def _dummy(device, dtype=torch.int32):
     return torch.zeros(1, dtype=dtype, device=device)
 
 
+def _check_trace(trace, device):
+    if trace is None:
+        return None
+    if (
+        not isinstance(trace, torch.Tensor)
+        or trace.dtype != torch.int64
+        or trace.dim() != 2
+        or trace.shape[1] != 6
+        or trace.shape[0] < 2
+    ):
+        raise ValueError(
+            "trace must be an int64 tensor [n >= 2, 6] (moe_overlap.bench.trace.new_buffer); "
+            "its last row is the interpreter's logical clock"
+        )
+    if trace.device != device or not trace.is_contiguous():
+        raise ValueError(f"trace must be contiguous on {device}")
+    return trace
+
+
 # ------------------------------------------------------------------------------- layer 0
 def _launch_layer0(
     x,
@@ -234,6 +253,7 @@ def _launch_layer0(
     stride_wn=None,
     stride_wk=None,
     stage_ws=None,
+    trace=None,
 ):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
@@ -301,6 +321,8 @@ def _launch_layer0(
         rank=world.rank,
         budget=world.wait_budget,
         n_comm=n_comm,
+        trace_ptr=trace if trace is not None else _dummy(device, torch.int64),
+        trace_rows=trace.shape[0] - 1 if trace is not None else 0,
         H=H,
         N=N,
         K_top=layout.top_k,
@@ -326,6 +348,7 @@ def _launch_layer0(
         BH=32 if interpreted() else 128,
         GROUP_M=8,
         USE_TIMER=world.use_timer,
+        TRACE=trace is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -382,6 +405,7 @@ def _launch_layer1(
     stride_wn,
     stride_wk,
     save_o=False,
+    trace=None,
 ):
     """Grouped GEMM ``h @ w[l]^T`` whose rows go to their source ranks, then the reduction
     ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
@@ -434,6 +458,8 @@ def _launch_layer1(
                 world.error_buffer,
                 world.rank,
                 world.wait_budget,
+                trace if trace is not None else _dummy(device, torch.int64),
+                trace.shape[0] - 1 if trace is not None else 0,
                 k_dim,
                 H,
                 h.stride(0),
@@ -450,6 +476,7 @@ def _launch_layer1(
                 BK=cfg["BK"],
                 GROUP_M=8,
                 USE_TIMER=world.use_timer,
+                TRACE=trace is not None,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )
@@ -754,10 +781,11 @@ class _FusedExpertsFn(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- public API
-def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=None):
+def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=None, trace=None):
     """Layer 0 alone (benchmarks): dispatch + grouped GEMM + activation -> ``h [R, F]`` rows
     in this rank's receive order (padding rows unspecified). Remembers the row slots on
-    ``layout`` for :func:`layer1`."""
+    ``layout`` for :func:`layer1`. ``trace``: optional int64 ``[n, 6]`` buffer that receives
+    one (rank, program, tile, start, wait done, end) row per GEMM tile (off: zero cost)."""
     H = x.shape[1]
     F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
     ws = _workspace(world, layout, H, x.dtype)
@@ -772,13 +800,15 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
         stride_wn=w1.stride(1),
         stride_wk=w1.stride(2),
         stage_ws=ws,
+        trace=_check_trace(trace, x.device),
     )
     layout._row_slot_full = _row_slots(layout, ws[1])
     return h
 
 
-def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None):
-    """Layer 1 alone (benchmarks): grouped GEMM + combine -> ``y [T, H]``."""
+def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None, trace=None):
+    """Layer 1 alone (benchmarks): grouped GEMM + combine -> ``y [T, H]`` (``trace`` as in
+    :func:`layer0`, one row per GEMM tile)."""
     H, F = w2.shape[1], w2.shape[2]
     ws = _workspace(world, layout, H, h.dtype)
     row_slot = getattr(layout, "_row_slot_full", layout.row_slot)
@@ -795,6 +825,7 @@ def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None):
         n_out=H,
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
+        trace=_check_trace(trace, h.device),
     )
     return y
 
