@@ -44,6 +44,8 @@ from ..kernels.launch import warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..world import WorkspacePlan, World, interpreted, launch_lock
+from . import tuning
+from .tuning import tune  # noqa: F401 - the bench CLI's tuning hook
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -57,20 +59,25 @@ def _env_cfg(name):
     return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
 
 
-def block_m() -> int:
+def block_m(pinned=None) -> int:
     """Rows per M-tile (experts are padded to it); shared by layer 0 and layer 1."""
     cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
     if cfg:
         return cfg["BM"]
+    if pinned is not None and not interpreted():
+        return pinned["l0"]["BM"]
     return 16 if interpreted() else 128
 
 
-def layer0_config(activation: str, elem_size: int = 2) -> dict:
+def layer0_config(activation: str, elem_size: int = 2, pinned=None) -> dict:
     """Block config of the layer-0 GEMM. ``MOE_OVERLAP_L0_CONFIG=BM,BN,BK,warps,stages`` pins
-    one (BM must match layer 1's)."""
+    one (BM must match layer 1's); else a tuned config from the pinned table
+    (``moe_overlap.experts.tuning``); else the defaults below."""
     cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
     if cfg:
         return cfg
+    if pinned is not None:
+        return dict(pinned["l0"])
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
     # 4-byte operands halve BK: 3 stages of 128x64 + 2x64x128 fp32 tiles need 288 KiB of shared
@@ -81,10 +88,12 @@ def layer0_config(activation: str, elem_size: int = 2) -> dict:
     return dict(BM=128, BN=256, BK=bk, num_warps=8, num_stages=3)
 
 
-def layer1_config(elem_size: int = 2) -> dict:
+def layer1_config(elem_size: int = 2, pinned=None) -> dict:
     cfg = _env_cfg("MOE_OVERLAP_L1_CONFIG")
     if cfg:
         return cfg
+    if pinned is not None:
+        return dict(pinned["l1"])
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
     return dict(BM=128, BN=256, BK=64 if elem_size <= 2 else 32, num_warps=8, num_stages=3)
@@ -200,9 +209,16 @@ def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype):
 
 
 def dispatch_layout(
-    topk_ids: torch.Tensor, num_experts: int, world: World, max_tokens_per_rank: int | None = None
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    world: World,
+    max_tokens_per_rank: int | None = None,
+    pinned=None,
 ) -> Layout:
-    """Routing layout of ``topk_ids [T, K]`` over ``world`` (count exchange included)."""
+    """Routing layout of ``topk_ids [T, K]`` over ``world`` (count exchange included).
+
+    ``pinned``: a tuned joint config (``moe_overlap.experts.tuning.pinned``) whose BLOCK_M the
+    layout pads experts to; the layers then use its block shapes."""
     if num_experts % world.world_size:
         raise ValueError(
             f"num_experts {num_experts} must be divisible by world_size {world.world_size}"
@@ -212,7 +228,9 @@ def dispatch_layout(
             f"{topk_ids.shape[0]} tokens on rank {world.rank} exceed "
             f"max_tokens_per_rank={max_tokens_per_rank}"
         )
-    return build_layout(topk_ids, num_experts, world, block_m(), max_tokens_per_rank)
+    layout = build_layout(topk_ids, num_experts, world, block_m(pinned), max_tokens_per_rank)
+    layout.pinned = pinned if (pinned is not None and not interpreted()) else None
+    return layout
 
 
 def _dummy(device, dtype=torch.int32):
@@ -262,7 +280,9 @@ def _launch_layer0(
     """
     device = x.device
     W = world.world_size
-    cfg = layer0_config("swiglu" if act == "swiglu" else "plain", x.element_size())
+    cfg = layer0_config(
+        "swiglu" if act == "swiglu" else "plain", x.element_size(), getattr(layout, "pinned", None)
+    )
     BM = layout.block_m
     R = layout.rows_cap
     H = x.shape[1]
@@ -411,7 +431,7 @@ def _launch_layer1(
     ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
     device = h.device
     W = world.world_size
-    cfg = layer1_config(h.element_size())
+    cfg = layer1_config(h.element_size(), getattr(layout, "pinned", None))
     BM = layout.block_m
     T, K = layout.num_tokens, layout.top_k
     H = n_out
@@ -877,7 +897,8 @@ def fused_experts(
             activation,
             int(max_tokens_per_rank or 0),
         )
-    layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank)
+    pinned = tuning.pinned(world.device, x.dtype, H, F, E, K)
+    layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank, pinned)
     return _FusedExpertsFn.apply(
         x.contiguous(),
         topk_weights,

@@ -39,7 +39,10 @@ def fused_experts_op(
 ) -> torch.Tensor:
     world = get_world(world_name)
     E = w2.shape[0] * world.world_size
-    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
+    pinned = fused.tuning.pinned(
+        world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
+    )
+    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
     y, _ = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=False
     )
@@ -67,7 +70,10 @@ def fused_experts_backward_op(
 ) -> list[torch.Tensor]:
     world = get_world(world_name)
     E = w2.shape[0] * world.world_size
-    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None)
+    pinned = fused.tuning.pinned(
+        world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
+    )
+    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
     _, saved = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=True
     )

@@ -1,0 +1,42 @@
+"""The tuning hook and the pinned-config lookup of the fused MoE GEMMs."""
+
+import json
+
+import torch
+
+from moe_overlap.experts import tuning
+from moe_overlap.testing import spawn
+
+
+def test_tune_returns_a_joint_config_with_one_block_m():
+    shape = dict(tokens=12, hidden=16, ffn=8, experts=4, topk=2)
+    cfg = spawn(2, lambda w: tuning.tune("moe", shape, torch.float32, w))[0]
+    assert cfg["l0"]["BM"] == cfg["l1"]["BM"]
+    assert set(cfg["l0"]) == {"BM", "BN", "BK", "num_warps", "num_stages"}
+    assert cfg["ms"]["layer0"] > 0 and cfg["ms"]["layer1"] > 0
+
+
+def test_pinned_lookup_matches_shape_and_ignores_tokens(tmp_path, monkeypatch):
+    entry = {
+        "device": "NVIDIA H200",
+        "op": "moe",
+        "dtype": "bf16",
+        "world_size": 1,
+        "shape": {"tokens": 16384, "hidden": 4096, "ffn": 14336, "experts": 8, "topk": 2},
+        "config": {
+            "l0": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+            "l1": {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4},
+        },
+    }
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"version": 1, "note": "", "entries": [entry]}))
+    monkeypatch.setenv("MOE_OVERLAP_CONFIGS", str(path))
+    tuning._table_entries.cache_clear()
+    try:
+        got = tuning._table_entries("NVIDIA H200", "bf16")
+        assert len(got) == 1 and got[0]["config"]["l0"]["BM"] == 64
+        assert tuning._table_entries("NVIDIA H100", "bf16") == ()
+        # pinned() only applies on CUDA devices: the CPU always uses the interpreter configs.
+        assert tuning.pinned(torch.device("cpu"), torch.bfloat16, 4096, 14336, 8, 2) is None
+    finally:
+        tuning._table_entries.cache_clear()
