@@ -660,41 +660,27 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return y, saved
 
 
+def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws):
+    """Backward of the combine: dispatch ``dy * w`` into a GEMM with ``w2`` (-> d h)."""
+    d_h = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws)
+    return d_h
+
+
+def _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H):
+    """Backward of the dispatch: combine ``d gu @ w1`` back to the sources (unweighted)."""
+    dx = _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H)
+    return dx
+
+
 def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws):
     """Compile and load the backward's kernel variants now: the backward of emulated ranks runs
     on autograd's one CUDA worker thread, where no barrier can protect a lazy kernel load."""
-    H, F = x.shape[1], w2.shape[2]
     wflat = topk_weights.contiguous().view(-1)
     with warmup_only():
         row_scale = torch.empty(layout.rows_cap, dtype=torch.float32, device=x.device)
-        _launch_layer0(
-            torch.empty_like(x),
-            layout,
-            w2,
-            world,
-            "none",
-            scale=wflat,
-            row_scale=row_scale,
-            n_out=F,
-            stride_wn=w2.stride(2),
-            stride_wk=w2.stride(1),
-            stage_ws=ws,
-        )
+        _bwd_dispatch(torch.empty_like(x), layout, w2, world, wflat, row_scale, ws)
         d_gu = torch.empty_like(saved["gu"])
-        _launch_layer1(
-            d_gu,
-            layout,
-            w1,
-            world,
-            None,
-            None,
-            saved["row_slot"],
-            ws,
-            k_dim=d_gu.shape[1],
-            n_out=H,
-            stride_wn=w1.stride(2),
-            stride_wk=w1.stride(1),
-        )
+        _bwd_combine(d_gu, layout, w1, world, saved["row_slot"], ws, x.shape[1])
 
 
 def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):

@@ -20,6 +20,15 @@ from ..world import get_world
 from . import fused
 
 
+def _layout(x, topk_ids, w2, world_name, max_tokens_per_rank):
+    world = get_world(world_name)
+    E = w2.shape[0] * world.world_size
+    pinned = fused.tuning.pinned(
+        world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
+    )
+    return world, fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
+
+
 def _opt(t):
     return None if t is None or t.numel() == 0 else t
 
@@ -37,12 +46,7 @@ def fused_experts_op(
     activation: str,
     max_tokens_per_rank: int,
 ) -> torch.Tensor:
-    world = get_world(world_name)
-    E = w2.shape[0] * world.world_size
-    pinned = fused.tuning.pinned(
-        world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
-    )
-    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
+    world, layout = _layout(x, topk_ids, w2, world_name, max_tokens_per_rank)
     y, _ = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=False
     )
@@ -68,12 +72,7 @@ def fused_experts_backward_op(
     activation: str,
     max_tokens_per_rank: int,
 ) -> list[torch.Tensor]:
-    world = get_world(world_name)
-    E = w2.shape[0] * world.world_size
-    pinned = fused.tuning.pinned(
-        world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
-    )
-    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
+    world, layout = _layout(x, topk_ids, w2, world_name, max_tokens_per_rank)
     _, saved = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=True
     )
