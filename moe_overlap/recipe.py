@@ -106,6 +106,15 @@ from torch import nn
 from . import reference
 from .config import MoEConfig
 from .experts.layer import MoELayer
+from .hybrid import (
+    HybridBlock,
+    RMSNorm,
+    causal_attention,
+    param_kind,
+    rms_norm,
+    rope_tables,
+    shard_full_weight,
+)
 from .world import interpreted
 
 __all__ = [
@@ -200,6 +209,7 @@ class TrainConfig:
     device: str | None = None
     dtype: str | None = None  # fp32 on CPU, bf16 on CUDA
     impl: str = "fused"
+    tp: bool = False  # attention tensor-parallel + sequence-parallel (HybridBlock) over the world
     task: str = "sort"  # built-in task: "sort" or "copy"
     data: str | None = None  # a text file instead of the built-in task
     weight_decay: float = 0.01
@@ -239,7 +249,15 @@ class TrainConfig:
             v = getattr(c, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "steps" else 1):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if c.batch % (c.world_size * c.micro_batch):
+        if not isinstance(c.tp, bool):
+            raise ValueError(f"tp must be a bool, got {c.tp!r}")
+        if c.tp:
+            # Every rank runs every micro-batch (on its sequence shard).
+            if c.batch % c.micro_batch:
+                raise ValueError(
+                    f"batch ({c.batch}) must be divisible by micro_batch ({c.micro_batch})"
+                )
+        elif c.batch % (c.world_size * c.micro_batch):
             raise ValueError(
                 f"batch ({c.batch}) must be divisible by world_size * micro_batch "
                 f"({c.world_size} * {c.micro_batch})"
@@ -341,6 +359,23 @@ def is_expert_param(name: str) -> bool:
     return ".experts." in name
 
 
+def is_sharded_param(name: str, tp: bool = False) -> bool:
+    """Experts always; the attention's ``wqkv``/``wo`` too in ``--tp`` mode."""
+    kind = param_kind(name)
+    return kind == "expert" or (tp and kind == "tensor")
+
+
+def check_tp(mcfg: ModelConfig, world_size: int) -> None:
+    """The ``--tp`` model's divisibility rules (ValueError naming the flag)."""
+    W = world_size
+    if mcfg.n_heads % W:
+        raise ValueError(f"--tp splits heads over ranks: --heads {mcfg.n_heads} % {W} != 0")
+    if mcfg.seq_len % W:
+        raise ValueError(
+            f"--tp splits the sequence over ranks: --seq-len {mcfg.seq_len} % {W} != 0"
+        )
+
+
 def init_global_weights(mcfg: ModelConfig, seed: int) -> dict:
     """Every weight of the unsharded model, fp32 on the CPU, from ``seed`` in a fixed order.
 
@@ -373,38 +408,6 @@ def init_global_weights(mcfg: ModelConfig, seed: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------- math
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 (float64 stays float64), returned in ``x``'s dtype."""
-    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xf = x.to(cd)
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * weight.to(cd)).to(x.dtype)
-
-
-def rope_tables(seq_len: int, head_dim: int, theta: float, dtype, device):
-    """``(cos, sin)`` of shape ``[S, head_dim]`` (rotate-half layout), built in float64."""
-    inv = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    ang = torch.arange(seq_len, dtype=torch.float64)[:, None] * inv[None, :]
-    ang = torch.cat([ang, ang], dim=-1)
-    return ang.cos().to(dtype=dtype, device=device), ang.sin().to(dtype=dtype, device=device)
-
-
-def apply_rope(x_BNSd: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor) -> torch.Tensor:
-    half = x_BNSd.shape[-1] // 2
-    rot = torch.cat([-x_BNSd[..., half:], x_BNSd[..., :half]], dim=-1)
-    return x_BNSd * cos_Sd + rot * sin_Sd
-
-
-def causal_attention(x_BSD, wqkv_3DD, wo_DD, n_heads, cos_Sd, sin_Sd):
-    """Multi-head causal self-attention with RoPE on ``x_BSD [B, S, D]``."""
-    B, S, D = x_BSD.shape
-    hd = D // n_heads
-    qkv = F.linear(x_BSD, wqkv_3DD).view(B, S, 3, n_heads, hd).permute(2, 0, 3, 1, 4)
-    q, k, v = apply_rope(qkv[0], cos_Sd, sin_Sd), apply_rope(qkv[1], cos_Sd, sin_Sd), qkv[2]
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, N, S, hd]
-    return F.linear(o.transpose(1, 2).reshape(B, S, D), wo_DD)
-
-
 def ce_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, mask_BS: torch.Tensor):
     """Cross-entropy summed over the masked positions, in fp32 (float64 stays float64)."""
     cd = torch.float64 if logits_BSV.dtype == torch.float64 else torch.float32
@@ -413,16 +416,6 @@ def ce_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, mask_BS: torch.Te
 
 
 # ----------------------------------------------------------------------------------- model
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, dtype, device):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
 class Attention(nn.Module):
     """Replicated (data-parallel) causal attention: ``wqkv [3D, D]`` (q, k, v rows), ``wo
     [D, D]``. A tensor-parallel attention is a drop-in replacement of this module."""
@@ -458,54 +451,113 @@ class Block(nn.Module):
 
 
 class MixtralModel(nn.Module):
-    """The recipe's decoder on one rank of an expert-parallel ``world``.
+    """The recipe's decoder on one rank of ``world``.
 
-    ``forward(tokens [B, S] int64) -> (logits [B, S, V] in dtype, aux scalar fp32)`` where
-    ``aux`` is the sum over layers of ``MoELayer.aux_loss`` for these B sequences.
+    ``forward(tokens [B, S] int64) -> (logits [B, S_local, V] in dtype, aux scalar fp32)``.
+
+    * default (``tp=False``): expert parallel only; every rank runs whole sequences, logits
+      cover all S positions and ``aux`` is the sum over layers of ``MoELayer.aux_loss`` for
+      these B sequences.
+    * ``tp=True``: every block is a :class:`moe_overlap.hybrid.HybridBlock` on ``world``
+      (attention tensor parallel, activations sequence parallel, experts over the same ranks).
+      Rank r embeds and scores only positions :meth:`local_positions` (``[r*S/W, (r+1)*S/W)``),
+      the blocks run sequence-first ``[S/W, B, D]`` (one transpose after the embedding, one
+      before the head), and ``aux`` is this rank's share of the layers' router losses over
+      the B sequences (summed over ranks: the default mode's ``aux`` for the same sequences).
     """
 
     def __init__(
-        self, mcfg: ModelConfig, world, dtype=torch.float32, device=None, impl: str = "fused"
+        self,
+        mcfg: ModelConfig,
+        world,
+        dtype=torch.float32,
+        device=None,
+        impl: str = "fused",
+        tp: bool = False,
     ):
         super().__init__()
         device = torch.device(device) if device is not None else world.device
-        self.mcfg, self.world = mcfg, world
+        self.mcfg, self.world, self.tp = mcfg, world, bool(tp)
+        if self.tp:
+            check_tp(mcfg, world.world_size)
         V, D = mcfg.vocab_size, mcfg.d_model
         self.embed = nn.Embedding(V, D, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            Block(mcfg, world, dtype, device, impl) for _ in range(mcfg.n_layers)
-        )
+        if self.tp:
+            blocks = (
+                HybridBlock(
+                    mcfg.moe_config(),
+                    mcfg.n_heads,
+                    world,
+                    rope_theta=mcfg.rope_theta,
+                    norm_eps=mcfg.norm_eps,
+                    dtype=dtype,
+                    device=device,
+                    impl=impl,
+                )
+                for _ in range(mcfg.n_layers)
+            )
+        else:
+            blocks = (Block(mcfg, world, dtype, device, impl) for _ in range(mcfg.n_layers))
+        self.layers = nn.ModuleList(blocks)
         self.norm = RMSNorm(D, mcfg.norm_eps, dtype, device)
         self.lm_head = nn.Linear(D, V, bias=False, dtype=dtype, device=device)
         cos, sin = rope_tables(mcfg.seq_len, D // mcfg.n_heads, mcfg.rope_theta, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def is_sharded(self, name: str) -> bool:
+        """Whether parameter ``name`` is this rank's shard (exact local gradient) rather than a
+        replicated tensor (gradient summed over ranks)."""
+        return is_sharded_param(name, self.tp)
+
+    def local_positions(self, seq_len: int) -> slice:
+        """The sequence positions whose logits this rank returns."""
+        if not self.tp:
+            return slice(0, seq_len)
+        s = seq_len // self.world.world_size
+        return slice(self.world.rank * s, (self.world.rank + 1) * s)
+
     @torch.no_grad()
     def load_global(self, weights: dict) -> None:
         """Copy the global weights (:func:`init_global_weights` names): this rank's expert
-        slice, every other tensor whole."""
-        rank = self.world.rank
+        slice, its attention shards with ``tp`` (``moe_overlap.hybrid.shard_full_weight``),
+        every other tensor whole."""
         params = dict(self.named_parameters())
         missing = set(params) - set(weights)
         if missing:
             raise ValueError(f"global weights lack {sorted(missing)}")
-        for i, blk in enumerate(self.layers):
-            p = f"layers.{i}.moe.experts."
-            blk.moe.experts.load_global(weights[p + "gate_up_proj"], weights[p + "down_proj"], rank)
+        rank, W = self.world.rank, self.world.world_size
         for name, prm in params.items():
-            if not is_expert_param(name):
-                prm.copy_(weights[name])
+            src = weights[name]
+            if self.is_sharded(name):
+                src = shard_full_weight(name, src, self.mcfg.n_heads, rank, W)
+            if tuple(src.shape) != tuple(prm.shape):
+                raise ValueError(
+                    f"{name}: global weight gives {tuple(src.shape)}, the model "
+                    f"holds {tuple(prm.shape)}"
+                )
+            prm.copy_(src)
 
     def forward(self, tokens_BS: torch.Tensor):
         S = tokens_BS.shape[1]
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
-        h = self.embed(tokens_BS)
+        if self.tp and S % self.world.world_size:
+            raise ValueError(
+                f"--tp splits the sequence over ranks: length {S} is not a multiple of the "
+                f"world size {self.world.world_size}"
+            )
+        h = self.embed(tokens_BS[:, self.local_positions(S)])
         aux = torch.zeros((), dtype=torch.float32, device=h.device)
+        if not self.tp:
+            for blk in self.layers:
+                h, a = blk(h, cos, sin)
+                aux = aux + a.float()
+            return self.lm_head(self.norm(h)), aux
+        h = h.transpose(0, 1).contiguous()  # [S/W, B, D]: sequence first for the TP ops
         for blk in self.layers:
-            h, a = blk(h, cos, sin)
-            aux = aux + a.float()
-        return self.lm_head(self.norm(h)), aux
+            h = blk(h, cos, sin)
+            aux = aux + blk.aux_loss.float()
+        return self.lm_head(self.norm(h)).transpose(0, 1), aux
 
 
 # ----------------------------------------------------------------------------------- twin
@@ -671,6 +723,10 @@ def _check_resume(ckpt, mcfg, tcfg):
                 f"--{k.replace('_', '-')} {getattr(tcfg, k)!r} differs from the "
                 f"checkpoint's {ckpt['train_config'][k]!r}"
             )
+    # --tp shards the attention weights: its checkpoint holds other shapes.
+    if bool(ckpt["train_config"].get("tp", False)) != tcfg.tp:
+        how = "with" if ckpt["train_config"].get("tp", False) else "without"
+        raise ValueError(f"the checkpoint was written {how} --tp; resume {how} it")
 
 
 def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
@@ -679,7 +735,7 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
     dev = world.device
     dtype = _DTYPES[tcfg.dtype]
     data = make_data(mcfg, tcfg)
-    model = MixtralModel(mcfg, world, dtype=dtype, device=dev, impl=tcfg.impl)
+    model = MixtralModel(mcfg, world, dtype=dtype, device=dev, impl=tcfg.impl, tp=tcfg.tp)
     model.load_global(init_global_weights(mcfg, tcfg.seed))
     named = list(model.named_parameters())
     if dtype == torch.float32:
@@ -704,12 +760,18 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
         start = ckpt["step"]
 
     mb = tcfg.micro_batch
-    per_rank = tcfg.batch // W
+    # Default: rank r runs its own batch / W sequences. --tp: every rank runs every micro-batch
+    # on its sequence shard (the world is one tensor/sequence-parallel group, no data parallel).
+    per_rank = tcfg.batch if tcfg.tp else tcfg.batch // W
+    first = 0 if tcfg.tp else rank * per_rank
     accum = per_rank // mb
     n_tok = tcfg.batch * data.loss_tokens_per_seq
     n_micro = tcfg.batch // mb
-    repl = [i for i, (n, _) in enumerate(masters) if not is_expert_param(n)]
-    expert = [i for i, (n, _) in enumerate(masters) if is_expert_param(n)]
+    pos = model.local_positions(mcfg.seq_len)
+    # "expert" holds every sharded tensor (exact local gradient): experts, and with --tp the
+    # attention's wqkv/wo shards. "replicated" gradients are summed over ranks.
+    repl = [i for i, (n, _) in enumerate(masters) if not model.is_sharded(n)]
+    expert = [i for i, (n, _) in enumerate(masters) if model.is_sharded(n)]
     show = rank == 0 and tcfg.progress
     bar = _Progress(tcfg.steps, start, show)
     tokens_per_step = tcfg.batch * mcfg.seq_len
@@ -720,8 +782,9 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
         inputs, targets, mask = data.batch(gen, tcfg.batch)  # the global batch, on every rank
         stats = torch.zeros(2, dtype=torch.float64, device=dev)
         for a in range(accum):
-            lo = rank * per_rank + a * mb
-            tok, tgt, msk = (t[lo : lo + mb].to(dev) for t in (inputs, targets, mask))
+            lo = first + a * mb
+            tok = inputs[lo : lo + mb].to(dev)
+            tgt, msk = (t[lo : lo + mb, pos].to(dev) for t in (targets, mask))
             logits, aux = model(tok)
             ce = ce_sum(logits, tgt, msk)
             (ce / n_tok + aux / n_micro).backward()
@@ -837,7 +900,8 @@ def _write_outputs(tcfg, mcfg, states, gen, hist, W) -> dict:
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         task = f"{tcfg.task} task" if tcfg.data is None else Path(tcfg.data).name
-        ax.set_title(f"Mixtral-style MoE, {task}, EP world {W}")
+        par = "TP+SP+EP" if tcfg.tp else "EP"
+        ax.set_title(f"Mixtral-style MoE, {task}, {par} world {W}")
         ax.legend()
         ax.grid(alpha=0.3)
         fig.tight_layout()
@@ -855,6 +919,16 @@ def _load_checkpoint(tcfg, mcfg):
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     _check_resume(ckpt, mcfg, tcfg)
     return ckpt
+
+
+def _check_model_world(mcfg: ModelConfig, tcfg: TrainConfig):
+    if mcfg.num_experts % tcfg.world_size:
+        raise ValueError(
+            f"num_experts ({mcfg.num_experts}) must be divisible by the world size "
+            f"({tcfg.world_size})"
+        )
+    if tcfg.tp:
+        check_tp(mcfg, tcfg.world_size)
 
 
 def _check_mode(tcfg: TrainConfig):
@@ -875,11 +949,7 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig) -> TrainResult:
     from .testing import spawn
 
     tcfg = tcfg.resolved()
-    if mcfg.num_experts % tcfg.world_size:
-        raise ValueError(
-            f"num_experts ({mcfg.num_experts}) must be divisible by the world size "
-            f"({tcfg.world_size})"
-        )
+    _check_model_world(mcfg, tcfg)
     _check_mode(tcfg)
     make_data(mcfg, tcfg)  # bad --data fails here, before any rank starts
     ckpt = _load_checkpoint(tcfg, mcfg) if tcfg.resume else None
@@ -914,11 +984,7 @@ def _train_torchrun(mcfg: ModelConfig, tcfg: TrainConfig) -> TrainResult | None:
     torch.cuda.set_device(local)
     tcfg = dataclasses.replace(tcfg, device=f"cuda:{local}")
     tcfg = tcfg.resolved(torchrun_world=int(os.environ["WORLD_SIZE"]))
-    if mcfg.num_experts % tcfg.world_size:
-        raise ValueError(
-            f"num_experts ({mcfg.num_experts}) must be divisible by the world size "
-            f"({tcfg.world_size})"
-        )
+    _check_model_world(mcfg, tcfg)
     _check_mode(tcfg)
     if not dist.is_initialized():
         dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -977,6 +1043,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="parameter dtype (default fp32 on CPU, bf16 on CUDA)",
     )
     g.add_argument("--impl", choices=("fused", "baseline"), default=t.impl)
+    g.add_argument(
+        "--tp",
+        action="store_true",
+        help="tensor-parallel attention + sequence parallelism over the same ranks as the "
+        "experts (moe_overlap.hybrid.HybridBlock); needs heads and seq-len divisible by the "
+        "world size",
+    )
     g.add_argument("--task", choices=("sort", "copy"), default=t.task, help="built-in task")
     g.add_argument(
         "--data",
@@ -1029,6 +1102,7 @@ def parse_args(argv=None) -> tuple[ModelConfig, TrainConfig]:
         device=a.device,
         dtype=a.dtype,
         impl=a.impl,
+        tp=a.tp,
         task=a.task,
         data=a.data,
         weight_decay=a.weight_decay,
@@ -1043,7 +1117,8 @@ def parse_args(argv=None) -> tuple[ModelConfig, TrainConfig]:
 def _banner(mcfg: ModelConfig, r: TrainConfig, how: str) -> None:
     task = f"{r.task} task" if r.data is None else r.data
     print(
-        f"moe_overlap recipe: {r.world_size} EP rank(s) ({how}) on {r.device} ({r.dtype}), "
+        f"moe_overlap recipe: {r.world_size} {'TP+SP+EP' if r.tp else 'EP'} rank(s) ({how}) on "
+        f"{r.device} ({r.dtype}), "
         f"{mcfg.n_layers} layers, d_model {mcfg.d_model}, {mcfg.num_experts} experts "
         f"top-{mcfg.top_k}, {r.batch} x {mcfg.seq_len} tokens/step, {task}",
         flush=True,

@@ -109,16 +109,21 @@ def init_world(backend: str = "auto", group=None, seed: int = 0) -> World:
         )
     initialized = dist.is_available() and dist.is_initialized()
     if backend == "nvshmem":
-        try:
-            import nvshmem.core  # noqa: F401
-        except ImportError as e:
-            raise MissingBackendError(
-                "the nvshmem backend needs nvshmem4py: pip install 'moe-overlap[nvshmem-cu13]' "
-                "(or [nvshmem-cu12] for CUDA 12)"
-            ) from e
-        raise NotImplementedError("the nvshmem world is not built yet (see issue: NVSHMEM world)")
+        from .nvshmem import make_nvshmem_world
+
+        return make_nvshmem_world(group=group, seed=seed)
     if backend == "local":
         return local_world(seed=seed)
+    if backend == "auto" and initialized and torch.cuda.is_available():
+        from .nvshmem import install_hint, job_spans_nodes, make_nvshmem_world, nvshmem_available
+
+        if job_spans_nodes(group):  # collective when the launcher does not say
+            if not nvshmem_available():
+                raise MissingBackendError(
+                    "the job spans several nodes and torch_symm connects one node only: the "
+                    f"nvshmem backend needs nvshmem4py: {install_hint()}"
+                )
+            return make_nvshmem_world(group=group, seed=seed)
     if backend == "torch_symm" or (backend == "auto" and initialized):
         if not initialized:
             raise RuntimeError(

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ERR_WORDS, CommTimeoutError
+from .topology import TopologyMixin
 
 ROLE_BOTH, ROLE_PRODUCER, ROLE_CONSUMER = 0, 1, 2
 
@@ -122,7 +123,7 @@ class WorkspacePlan:
         return off
 
 
-class World:
+class World(TopologyMixin):
     """Base class. Backends implement the ``_``-prefixed hooks."""
 
     backend = "base"
@@ -235,9 +236,8 @@ class World:
         return self._pad.view(0, (self._pad.local.numel() // 4,), torch.int32)
 
     # ----------------------------------------------------------------- op protocol
-    def begin_op(self, nflags: int) -> SymmTensor:
+    def begin_op(self, nflags: int, puts: bool = False) -> SymmTensor:
         """Reset this op's flags, publish readiness; returns the op flags (after ready slots)."""
-        from ..kernels import signals as sig
         from ..kernels.launch import warming_up
 
         pad = self.signal_pad(nflags)
@@ -247,8 +247,14 @@ class World:
         self._poll_errors()
         flags.local.zero_()
         with launch_lock():
-            sig.publish_ready(pad.ptrs, self._epoch, self.rank, self.world_size)
+            self._publish_ready(pad)
         return flags
+
+    def _publish_ready(self, pad: SymmTensor) -> None:
+        """Launch the op-start handshake (the nvshmem world adds a put path)."""
+        from ..kernels import signals as sig
+
+        sig.publish_ready(pad.ptrs, self._epoch, self.rank, self.world_size)
 
     def ready_args(self):
         """(pad base pointer, epoch tensor) that producers pass to their ready waits."""
