@@ -207,6 +207,15 @@ class MoELayer(nn.Module):
                 f"{x2.shape[0]} tokens exceed max_tokens_per_rank={cfg.max_tokens_per_rank}"
             )
         r = self.router(x2)
+        shared, side = None, None
+        if self.shared_experts is not None and x2.is_cuda and not torch.compiler.is_compiling():
+            # The shared experts are dense and local: run them on a side stream while the
+            # dispatch and the expert GEMMs run on the main one.
+            main = torch.cuda.current_stream(x2.device)
+            side = torch.cuda.Stream(x2.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                shared = self.shared_experts(x2)
         y = self.experts(
             x2,
             r.topk_ids,
@@ -215,8 +224,14 @@ class MoELayer(nn.Module):
             impl=self.impl,
             max_tokens_per_rank=cfg.max_tokens_per_rank,
         )
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x2)
+        if side is not None:
+            main.wait_stream(side)
+            x2.record_stream(side)
+            shared.record_stream(main)
+        elif self.shared_experts is not None:
+            shared = self.shared_experts(x2)
+        if shared is not None:
+            y = y + shared
         self.aux_loss = r.aux_loss
         self.expert_counts = r.counts
         return y.reshape(x.shape)
