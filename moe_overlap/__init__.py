@@ -5,6 +5,7 @@ from .config import MoEConfig
 from .errors import CommTimeoutError, MissingBackendError
 from .experts.fused import fused_experts
 from .experts.layer import GroupedExperts, MoELayer
+from .hybrid import HybridBlock
 from .tp import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -19,6 +20,7 @@ __all__ = [
     "ColumnParallelLinear",
     "CommTimeoutError",
     "GroupedExperts",
+    "HybridBlock",
     "MissingBackendError",
     "MoEConfig",
     "MoELayer",

@@ -1,4 +1,5 @@
-"""Mixtral-style training recipe: a small MoE decoder trained with expert parallelism.
+"""Mixtral-style training recipe: a small MoE decoder trained with expert parallelism
+(and, with ``--tp``, tensor-parallel attention with sequence-parallel activations).
 
 ``python examples/train_mixtral.py`` (or ``moe_overlap.recipe.main(argv)``) trains a decoder of
 ``n_layers`` blocks ``x + attn(rmsnorm(x))`` then ``x + moe(rmsnorm(x))`` (causal self-attention
@@ -10,11 +11,22 @@ Parallel layout (the design record of this module)
 --------------------------------------------------
 * **Expert parallel over the whole world.** Rank r holds experts ``[r*El, (r+1)*El)`` with
   ``El = E / W``; everything else (embedding, attention, norms, router, LM head) is replicated.
-  Attention is data parallel for now: a tensor-parallel variant replaces :class:`Attention`
-  and adds a third gradient group (see "Gradient groups").
+  By default attention is data parallel (:class:`Attention`, whole sequences per rank).
+* **``--tp``: one world for TP, SP and EP.** Every block is a
+  :class:`moe_overlap.hybrid.HybridBlock` (its docstring is the design record): ``wqkv``
+  column-parallel (heads split over ranks, the sequence shard gathered in the GEMM prologue),
+  ``wo`` row-parallel (reduce-scattered back to the sequence shard), then the MoE layer on the
+  same ranks dispatching exactly the tokens of that shard. There is no data parallelism: every
+  rank runs every micro-batch, on positions ``[r*S/W, (r+1)*S/W)``; the embedding and LM head
+  stay replicated and run on those positions only, and the model is sequence-first
+  ``[S/W, B, D]`` between them (one transpose each way). The router losses use expert counts
+  all-reduced over the world, so each rank's ``aux`` is its share of the micro-batch's loss.
+  Needs ``n_heads % W == 0`` and ``seq_len % W == 0``. Same seed, same losses as the default
+  mode up to fp32 rounding (measured ~2e-8 relative at W = 2).
 * **One model for every W.** :func:`init_global_weights` draws the *global* weights (experts
   ``[E, ...]``) in fp32 on the CPU from one seed, in one fixed order; each rank then copies its
-  expert slice (``GroupedExperts.load_global``) and the replicated tensors. W = 1, 2, 4 therefore
+  expert slice (with ``--tp`` also its ``wqkv``/``wo`` shards,
+  ``moe_overlap.hybrid.shard_full_weight``) and the replicated tensors. W = 1, 2, 4 therefore
   start from bitwise the same model.
 * **Fixed micro-batches.** A step consumes ``batch`` sequences drawn from one seeded CPU
   generator whatever W is. They are cut into micro-batches of ``micro_batch`` consecutive
@@ -33,12 +45,18 @@ Parallel layout (the design record of this module)
     exactly the unsharded model's gradient with no further scaling;
   - a replicated parameter's gradient is the **sum** over ranks (``world.all_reduce``), which
     equals the average of per-rank mean-loss gradients (the usual data-parallel average) since
-    every rank holds ``batch / W`` sequences.
+    every rank holds ``batch / W`` sequences;
+  - with ``--tp`` each rank backpropagates its positions' CE and its aux share (both already
+    divided by the global counts): the ``wqkv``/``wo`` shards' gradients come out of the fused
+    AG <-> RS backward exact, like the experts', and the replicated ones (embedding, norms,
+    router, LM head: applied to this rank's positions only) are again the sum over ranks.
 
 * **Gradient groups.** ``replicated`` (all-reduced, one flat fp32 buffer, one collective per
-  step) and ``expert`` (local). Global-norm clipping adds the replicated squares (identical on
-  every rank after the reduction) to the all-reduced expert squares, so every rank clips by the
-  same factor, and that factor is W-invariant.
+  step) and ``expert`` (local: every sharded tensor, i.e. the experts and, with ``--tp``, the
+  attention shards). Global-norm clipping adds the replicated squares (identical on every rank
+  after the reduction) to the all-reduced sharded squares, so every rank clips by the same
+  factor, and that factor is W-invariant. AdamW is elementwise (``foreach=False``), so a shard
+  takes exactly the update of the matching slice of the unsharded tensor.
 * **Precision.** Parameters live in ``dtype`` (fp32 on CPU, bf16 on GPU by default). For a
   dtype other than fp32 the optimizer steps fp32 master copies, gradients are accumulated into
   the masters after every micro-batch, and the masters are copied back after each step.
@@ -74,6 +92,9 @@ Execution modes (:func:`main`)
 
 Measured (defaults, 20 steps, loss 3.47 -> ~2.1): CPU, 4 emulated ranks, 2 cores shared with
 other jobs: 4.5 min wall (2.9 min of CPU time); one H200, bf16, W = 1: 3 s of training.
+``--tp`` on the CPU costs more: every rank runs every micro-batch and the AG/RS kernels run in
+the interpreter too (defaults at W = 2: about 14 s a step with ``--tp``, 9 s without, the same
+losses to the printed 6 decimals; the tests' tiny model, 5 steps: 22 s vs 8 s).
 
 Traps. On the GPU, fp32 needs smaller fused-kernel blocks than the bf16 defaults (their
 pipelined fp32 tiles overflow shared memory): pin ``MOE_OVERLAP_L0_CONFIG=128,128,32,8,3``
@@ -84,7 +105,8 @@ autograd's single CUDA worker thread serves every rank.
 Checkpoint (``OUT/checkpoint.pt``): format version, step, world size, both configs, the data
 generator's state, the loss history, and per rank its fp32 master weights (expert shards
 included) and its optimizer state. ``--resume`` continues the same curve; it needs the world
-size, model and batch settings the checkpoint was written with (checked, with a clear error).
+size, model, batch and ``--tp`` settings the checkpoint was written with (checked, with a
+clear error; a ``--tp`` checkpoint holds attention shards).
 """
 
 from __future__ import annotations
@@ -418,7 +440,8 @@ def ce_sum(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, mask_BS: torch.Te
 # ----------------------------------------------------------------------------------- model
 class Attention(nn.Module):
     """Replicated (data-parallel) causal attention: ``wqkv [3D, D]`` (q, k, v rows), ``wo
-    [D, D]``. A tensor-parallel attention is a drop-in replacement of this module."""
+    [D, D]``. ``--tp`` uses ``moe_overlap.hybrid.TensorParallelAttention`` instead (inside a
+    ``HybridBlock``), with the same parameter names and the full weights sharded."""
 
     def __init__(self, mcfg: ModelConfig, dtype, device):
         super().__init__()

@@ -40,6 +40,23 @@ def _gen(*key) -> torch.Generator:
 
 
 def _cfg(variant: str) -> MoEConfig:
+    if variant == "odd_world":
+        # W = 3: H = 24 splits into 3 heads of 8, E = 6 into 2 experts per rank.
+        return MoEConfig(
+            hidden_size=24, ffn_hidden_size=FF, num_experts=6, top_k=3, aux_loss_coef=0.05
+        )
+    if variant == "bias_groups":
+        # Selection-only correction bias (loaded from the full weights) + group-limited routing.
+        return MoEConfig(
+            hidden_size=H,
+            ffn_hidden_size=FF,
+            num_experts=E,
+            top_k=2,
+            router_bias=True,
+            n_group=2,
+            topk_group=1,
+            aux_loss_coef=0.05,
+        )
     if variant == "shared_sigmoid":
         # Shared experts (replicated, sequence parallel), sigmoid scores, z-loss only: no
         # count all-reduce in the forward.
@@ -65,6 +82,7 @@ def _cfg(variant: str) -> MoEConfig:
 
 def _full_weights(gen, cfg: MoEConfig) -> dict:
     r = lambda *shape, s=0.3: torch.randn(*shape, generator=gen) * s  # noqa: E731
+    H, E = cfg.hidden_size, cfg.num_experts
     w = {
         "attn_norm.weight": 1 + r(H, s=0.2),
         "attn.wqkv.weight": r(3 * H, H),
@@ -78,6 +96,8 @@ def _full_weights(gen, cfg: MoEConfig) -> dict:
         fs = cfg.n_shared_experts * FF
         w["moe.shared_experts.gate_up_proj"] = r(2 * fs, H)
         w["moe.shared_experts.down_proj"] = r(H, fs)
+    if cfg.router_bias:
+        w["moe.router.e_score_correction_bias"] = r(E, s=0.2)
     return w
 
 
@@ -88,17 +108,20 @@ def _poison_workspace(world):
 
 
 CASES = [
-    # W, n_heads, S, B, variant
-    (1, 2, 5, 3, "base"),
-    (2, 4, 6, 2, "base"),
-    (2, 2, 4, 3, "shared_sigmoid"),
-    (4, 4, 8, 1, "base"),
+    # W, n_heads, S, B, variant, impl
+    (1, 2, 5, 3, "base", "fused"),
+    (2, 4, 6, 2, "base", "fused"),
+    (2, 2, 4, 3, "shared_sigmoid", "fused"),
+    (2, 2, 2, 3, "bias_groups", "baseline"),
+    (3, 3, 3, 2, "odd_world", "fused"),
+    (4, 4, 8, 1, "base", "fused"),
 ]
 
 
-@pytest.mark.parametrize("W,n_heads,S,B,variant", CASES)
-def test_block_forward_backward_matches_unsharded_reference(W, n_heads, S, B, variant):
+@pytest.mark.parametrize("W,n_heads,S,B,variant,impl", CASES)
+def test_block_forward_backward_matches_unsharded_reference(W, n_heads, S, B, variant, impl):
     cfg = _cfg(variant)
+    H = cfg.hidden_size
     gen = _gen("hybrid", W, n_heads, S, B, variant)
     w = _full_weights(gen, cfg)
     x = torch.randn(S, B, H, generator=gen)
@@ -113,7 +136,7 @@ def test_block_forward_backward_matches_unsharded_reference(W, n_heads, S, B, va
 
     def fn(world):
         r = world.rank
-        blk = HybridBlock.from_full(w, cfg, n_heads, world)
+        blk = HybridBlock.from_full(w, cfg, n_heads, world, impl=impl)
         rows = slice(r * s, (r + 1) * s)
         xs = x[rows].clone().requires_grad_()
         _poison_workspace(world)
@@ -129,19 +152,24 @@ def test_block_forward_backward_matches_unsharded_reference(W, n_heads, S, B, va
     aux_total = sum(o[1] for o in outs)
     assert abs(aux_total.item() - aux_ref.item()) <= 1e-5 * abs(aux_ref.item()) + 1e-7
     assert torch.equal(sum(o[2] for o in outs), route.counts)
-    n_repl = sum(param_kind(n) == "replicated" for n in w)
+    names = set(w) - {"moe.router.e_score_correction_bias"}  # a buffer, not a parameter
+    n_repl = sum(param_kind(n) == "replicated" for n in names)
     for r, (y, _, _, gx, raw, grads, n_synced) in enumerate(outs):
         rows = slice(r * s, (r + 1) * s)
         assert n_synced == n_repl
         assert_close(y, y_ref[rows], name=f"y rank {r}")
         assert_close(gx, xd.grad[rows], name=f"dx rank {r}")
-        assert set(grads) == set(w)
+        assert set(grads) == names
         for name, g in grads.items():
             want = shard_full_weight(name, wd[name].grad, n_heads, r, W)
             assert_close(g, want, name=f"d{name} rank {r}")
             if param_kind(name) != "replicated":
                 # Sharded tensors: the fused backward already summed every rank's part.
                 assert torch.equal(raw[name], g), name
+            else:
+                # Replicated: each rank holds its tokens' part; the sync sums them.
+                total = sum(o[4][name] for o in outs)
+                assert torch.allclose(total, g, rtol=1e-6, atol=1e-7), name
 
 
 def test_blocks_chain_with_explicit_rope_tables():
@@ -274,3 +302,25 @@ def test_reference_matches_moe_reference_on_identity_attention():
     )
     assert torch.allclose(y, x + m, rtol=0, atol=1e-12)
     assert torch.allclose(aux, aux_m, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("variant", ["base", "shared_sigmoid"])
+def test_reference_with_imposed_routing(variant):
+    """``topk_ids`` equal to the reference's own choice changes nothing (the GPU tests impose
+    a bf16 run's choice); other ids change the output and the load-balance counts."""
+    cfg, n_heads = _cfg(variant), 2
+    w = {k: v.double() for k, v in _full_weights(_gen("forced", variant), cfg).items()}
+    x = torch.randn(4, 2, H, generator=_gen("forced-x"), dtype=torch.float64)
+    y, aux, route = reference_block(x, w, cfg, n_heads, return_route=True)
+    y2, aux2, route2 = reference_block(
+        x, w, cfg, n_heads, return_route=True, topk_ids=route.topk_ids
+    )
+    assert torch.allclose(y, y2, rtol=0, atol=1e-12)
+    assert torch.allclose(aux, aux2, rtol=0, atol=1e-14)
+    assert torch.equal(route.counts, route2.counts)
+    other = (route.topk_ids + 1) % E
+    y3, _, route3 = reference_block(x, w, cfg, n_heads, return_route=True, topk_ids=other)
+    assert not torch.allclose(y, y3)
+    assert torch.equal(route3.counts, torch.bincount(other.reshape(-1), minlength=E))
+    with pytest.raises(ValueError, match="topk_ids"):
+        reference_block(x, w, cfg, n_heads, topk_ids=other[:, :1])

@@ -1,7 +1,8 @@
 """The Mixtral-style recipe on emulated CPU ranks (fused kernels in the Triton interpreter).
 
-A tiny model keeps the file to about a minute: each run is shared by several tests through
-module fixtures (one 20-step W=4 run, 5-step W=1 and W=2 runs, a twin run).
+A tiny model keeps the file to about two minutes: each run is shared by several tests through
+module fixtures (one 20-step W=4 run, 5-step W=1 and W=2 runs, a twin run, a 5-step ``--tp``
+W=2 run).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from moe_overlap import recipe
+from moe_overlap.hybrid import shard_full_weight
 from moe_overlap.recipe import (
     CopyTask,
     ModelConfig,
@@ -72,6 +74,11 @@ def run_w2():
 
 
 @pytest.fixture(scope="module")
+def run_w2_tp():
+    return train(TINY, _tcfg(world_size=2, tp=True))
+
+
+@pytest.fixture(scope="module")
 def twin():
     return train_twin(TINY, _tcfg(), dtype=torch.float64)
 
@@ -109,6 +116,61 @@ def test_same_losses_for_every_world_size(run_w4, run_w2):
     for res in (w1, run_w2):
         assert _rel(res.losses, run_w4[0].losses[:TWIN_STEPS]) < 1e-5
         assert _rel(res.ce_losses, run_w4[0].ce_losses[:TWIN_STEPS]) < 1e-5
+
+
+def test_tp_mode_gives_the_expert_parallel_losses(run_w2, run_w2_tp):
+    """--tp (attention TP + sequence parallel + EP on the same ranks) trains the same model on
+    the same data: W = 1 and 2 match the default mode to fp32 rounding."""
+    w1_tp = train(TINY, _tcfg(world_size=1, tp=True, steps=3))
+    # Measured: ~2e-8 apart at W=2 (different summation orders only).
+    for res in (run_w2_tp, w1_tp):
+        n = len(res.losses)
+        assert _rel(res.losses, run_w2.losses[:n]) < 1e-4
+        assert _rel(res.ce_losses, run_w2.ce_losses[:n]) < 1e-4
+        assert _rel(res.aux_losses, run_w2.aux_losses[:n]) < 1e-4
+    assert all(torch.isfinite(torch.tensor(run_w2_tp.losses)))
+    assert run_w2_tp.losses[-1] < run_w2_tp.losses[0] - 0.1, run_w2_tp.losses  # 2.81 -> 2.62
+
+
+def test_tp_cli_checkpoint_holds_shards(tmp_path, capsys):
+    argv = [
+        "--tp",
+        "--steps",
+        "1",
+        "--world-size",
+        "2",
+        "--device",
+        "cpu",
+        "--batch",
+        "2",
+        "--micro-batch",
+        "1",
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--vocab-size",
+        "16",
+        "--d-model",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--ffn",
+        "8",
+        "--seq-len",
+        "8",
+    ]
+    res = recipe.main(argv)
+    assert len(res.losses) == 1 and "TP+SP+EP" in capsys.readouterr().out
+    ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert ck["train_config"]["tp"] is True
+    model = ck["ranks"][1]["model"]
+    assert tuple(model["layers.0.attn.wqkv.weight"].shape) == (3 * 16 // 2, 16)
+    assert tuple(model["layers.0.attn.wo.weight"].shape) == (16, 16 // 2)
+    with pytest.raises(SystemExit):  # a --tp checkpoint cannot resume without --tp
+        recipe.main([*argv[1:], "--resume"])
+    assert "written with --tp" in capsys.readouterr().err
 
 
 def test_resume_continues_the_curve_through_the_cli(run_w2, tmp_path, capsys):
@@ -187,6 +249,17 @@ def test_sharded_start_equals_global_weights():
                 ref = ref[r * 2 : (r + 1) * 2]
             assert torch.equal(p, ref), name
     assert init_global_weights(TINY, seed=7)["embed.weight"].equal(weights["embed.weight"])
+
+    def fn_tp(world):
+        m = recipe.MixtralModel(TINY, world, dtype=torch.float32, tp=True)
+        m.load_global(weights)
+        return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+    for r, params in enumerate(spawn(2, fn_tp)):
+        assert set(params) == set(weights)
+        for name, p in params.items():
+            assert torch.equal(p, shard_full_weight(name, weights[name], TINY.n_heads, r, 2))
+            assert recipe.is_sharded_param(name, tp=True) == (p.shape != weights[name].shape)
     assert not init_global_weights(TINY, seed=8)["embed.weight"].equal(weights["embed.weight"])
 
 
@@ -260,6 +333,8 @@ def test_trains_on_a_text_file(tmp_path):
         (dict(impl="magic"), "impl"),
         (dict(lr=-1.0), "lr"),
         (dict(device="tpu"), "device"),
+        (dict(world_size=4, tp=True), "--heads 2"),
+        (dict(tp="yes"), "tp must be a bool"),
     ],
 )
 def test_bad_train_config(kw, match):
