@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import ACTIVATIONS
+from ..experts.checks import check_expert_args
 
 __all__ = ["baseline_experts", "grouped_linear", "grouped_mm_usable"]
 
@@ -134,64 +134,7 @@ def grouped_linear(
 
 
 def _check(x, topk_ids, topk_weights, w1, w2, activation, b1, b2, world):
-    for name, t in (
-        ("x", x),
-        ("topk_ids", topk_ids),
-        ("topk_weights", topk_weights),
-        ("w1", w1),
-        ("w2", w2),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if not x.is_floating_point():
-        raise TypeError(f"x must be floating, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
-    T, H = x.shape
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
-        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, K], got {tuple(topk_ids.shape)}")
-    K = topk_ids.shape[1]
-    if not topk_weights.is_floating_point():
-        raise TypeError(f"topk_weights must be floating, got {topk_weights.dtype}")
-    if tuple(topk_weights.shape) != (T, K):
-        raise ValueError(f"topk_weights must be [{T}, {K}], got {tuple(topk_weights.shape)}")
-    if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"w1 must be [El, 2F or F, H] and w2 [El, H, F]; got "
-            f"{tuple(w1.shape)} and {tuple(w2.shape)}"
-        )
-    El, Fw = w2.shape[0], w2.shape[2]
-    rows = 2 * Fw if activation == "swiglu" else Fw
-    if tuple(w1.shape) != (El, rows, H):
-        raise ValueError(
-            f"w1 must be [{El}, {rows}, {H}] for {activation} (w2 is "
-            f"{tuple(w2.shape)}), got {tuple(w1.shape)}"
-        )
-    if w2.shape[1] != H:
-        raise ValueError(f"w2 must be [{El}, {H}, F], got {tuple(w2.shape)}")
-    if b1 is not None and tuple(b1.shape) != (El, rows):
-        raise ValueError(f"b1 must be [{El}, {rows}], got {tuple(b1.shape)}")
-    if b2 is not None and tuple(b2.shape) != (El, H):
-        raise ValueError(f"b2 must be [{El}, {H}], got {tuple(b2.shape)}")
-    for name, t in (
-        ("topk_ids", topk_ids),
-        ("topk_weights", topk_weights),
-        ("w1", w1),
-        ("w2", w2),
-        ("b1", b1),
-        ("b2", b2),
-    ):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
-    for name, t in (("w1", w1), ("w2", w2), ("b1", b1), ("b2", b2)):
-        if t is not None and t.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {t.dtype}")
-    if world is not None and x.device != world.device:
-        raise ValueError(f"x is on {x.device} but the world is on {world.device}")
+    check_expert_args(x, topk_ids, topk_weights, w1, w2, activation, b1, b2, world=world)
 
 
 def baseline_experts(

@@ -45,6 +45,7 @@ from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..world import WorkspacePlan, World, interpreted, launch_lock
 from . import tuning
+from .checks import check_expert_args
 from .tuning import tune  # noqa: F401 - the bench CLI's tuning hook
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -107,76 +108,13 @@ def _programs(world: World, total: int) -> int:
 
 # ------------------------------------------------------------------------------- checks
 def _check_inputs(x, topk_ids, topk_weights, w1, w2, world, activation, b1, b2):
-    for name, t in (
-        ("x", x),
-        ("topk_ids", topk_ids),
-        ("topk_weights", topk_weights),
-        ("w1", w1),
-        ("w2", w2),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if activation not in ACT_CODES or activation == "none":
-        raise ValueError(f"activation must be one of swiglu, gelu, relu, silu; got {activation!r}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
+    if isinstance(activation, str) and activation == "none":
+        raise ValueError("activation must be one of swiglu, gelu, relu, silu; got 'none'")
+    T, H, F, El, K = check_expert_args(
+        x, topk_ids, topk_weights, w1, w2, activation, b1, b2, world=world
+    )
     if x.dtype not in _FLOATS:
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
-    T, H = x.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
-        raise ValueError(f"topk_ids must be [T={T}, K], got shape {tuple(topk_ids.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8):
-        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    K = topk_ids.shape[1]
-    if K < 1:
-        raise ValueError("topk_ids must have at least one column")
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights must be [T, K] = {tuple(topk_ids.shape)}, got "
-            f"{tuple(topk_weights.shape)}"
-        )
-    if not topk_weights.is_floating_point():
-        raise TypeError(f"topk_weights must be floating point, got {topk_weights.dtype}")
-    if w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError(
-            f"w1 must be [El, 2F or F, H] and w2 [El, H, F]; got {tuple(w1.shape)} "
-            f"and {tuple(w2.shape)}"
-        )
-    El, H2, F = w2.shape
-    rows = 2 * F if activation == "swiglu" else F
-    if H2 != H:
-        raise ValueError(f"w2 must be [El, H={H}, F], got {tuple(w2.shape)} (hidden size mismatch)")
-    if tuple(w1.shape) != (El, rows, H):
-        raise ValueError(
-            f"w1 must be [El={El}, {rows}, H={H}] for activation {activation!r}, got "
-            f"{tuple(w1.shape)}"
-        )
-    for name, t in (("w1", w1), ("w2", w2)):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} differs from x dtype {x.dtype}")
-    for name, t in (
-        ("x", x),
-        ("topk_ids", topk_ids),
-        ("topk_weights", topk_weights),
-        ("w1", w1),
-        ("w2", w2),
-    ):
-        if t.device != world.device:
-            raise ValueError(f"{name} is on {t.device} but the world is on {world.device}")
-    if b1 is not None:
-        if not isinstance(b1, torch.Tensor) or tuple(b1.shape) != (El, rows):
-            raise ValueError(
-                f"b1 must be [El={El}, {rows}], got {getattr(b1, 'shape', type(b1).__name__)}"
-            )
-        if b1.device != world.device:
-            raise ValueError(f"b1 is on {b1.device} but the world is on {world.device}")
-    if b2 is not None:
-        if not isinstance(b2, torch.Tensor) or tuple(b2.shape) != (El, H):
-            raise ValueError(
-                f"b2 must be [El={El}, H={H}], got {getattr(b2, 'shape', type(b2).__name__)}"
-            )
-        if b2.device != world.device:
-            raise ValueError(f"b2 is on {b2.device} but the world is on {world.device}")
     E = El * world.world_size
     if topk_ids.numel() and world.device.type != "cuda" and not torch.compiler.is_compiling():
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
