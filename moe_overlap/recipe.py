@@ -980,8 +980,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig) -> TrainResult:
     W = tcfg.world_size
     mode = "concurrent" if dev.type == "cuda" and W > 1 else "sequential"
     gather = _ThreadGather(W)
-    # spawn's timeout bounds each barrier wait and, plus 60 s, the whole run's join: a run is
-    # long, so it is a day; a rank that fails still aborts its peers at once.
+    # A barrier wait is bounded by 10 minutes (a peer that hangs is found); the whole run by a
+    # day. A rank that fails still aborts its peers at once.
     res = spawn(
         W,
         _train_rank,
@@ -991,7 +991,8 @@ def train(mcfg: ModelConfig, tcfg: TrainConfig) -> TrainResult:
         ckpt,
         device=dev,
         mode=mode,
-        timeout=86400.0,
+        timeout=600.0,
+        join_timeout=86400.0,
         seed=tcfg.seed,
     )
     return res[0]

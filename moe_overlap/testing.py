@@ -36,6 +36,7 @@ def spawn(
     device="cpu",
     mode: str = "sequential",
     timeout: float = 300.0,
+    join_timeout: float | None = None,
     seed: int = 0,
     **kwargs,
 ):
@@ -50,6 +51,10 @@ def spawn(
     if mode == "concurrent" and device.type != "cuda":
         raise ValueError("the concurrent mode needs a CUDA device")
     group = _Group(world_size, device, mode, timeout)
+    # ``timeout`` bounds each barrier wait (one rank waiting for another); ``join_timeout``
+    # bounds the whole run (default: no longer than a barrier plus a minute; long jobs such as
+    # the training recipe pass their own).
+    limit = timeout + 60 if join_timeout is None else join_timeout
     results = [None] * world_size
     errors: list = [None] * world_size
 
@@ -79,10 +84,10 @@ def spawn(
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout + 60)
+            t.join(limit)
         if any(t.is_alive() for t in threads):
             group.barrier.abort()
-            raise TimeoutError(f"emulated ranks did not finish within {timeout + 60} s")
+            raise TimeoutError(f"emulated ranks did not finish within {limit} s")
     real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
     if real:
         e = real[0]
