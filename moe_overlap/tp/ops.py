@@ -31,6 +31,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..kernels.ag_matmul import ag_matmul_config, ag_matmul_flags, launch_ag_matmul
+from ..kernels.launch import warmup_only
 from ..kernels.matmul_rs import launch_matmul_rs, matmul_rs_config, matmul_rs_flags
 from ..world import WorkspacePlan, World, interpreted
 
@@ -216,6 +217,13 @@ def _check_rows(op: str, m: int, world: World, xname: str):
         )
 
 
+def _warm_backward_needed(world: World) -> bool:
+    """Emulated ranks sharing one GPU run their backward on autograd's one CUDA worker thread,
+    where no barrier can protect a lazy kernel load (see kernels/launch.py): compile and load
+    the backward's variants during the forward instead."""
+    return world.concurrent and world.device.type == "cuda" and world.world_size > 1
+
+
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, bias, world):
@@ -229,6 +237,9 @@ class _AllGatherMatmul(torch.autograd.Function):
         y, gathered = _ag_forward(
             x_shard, weight, world, bias, save_gathered=need_w, reserve=reserve
         )
+        if need_x and _warm_backward_needed(world):
+            with warmup_only():
+                _rs_forward(torch.empty_like(y), weight.t(), world)
         ctx.world = world
         ctx.has_bias = bias is not None
         ctx.save_for_backward(weight, gathered)
@@ -265,6 +276,14 @@ class _MatmulReduceScatter(torch.autograd.Function):
             _, nbytes, _, nflags = _ag_plan(world, ms, n_out, weight.shape[0], x.dtype)
             reserve = (nbytes, nflags)
         y = _rs_forward(x, weight, world, bias, reserve=reserve)
+        if (need_x or need_w) and _warm_backward_needed(world):
+            with warmup_only():
+                if need_x:
+                    _ag_forward(torch.empty_like(y), weight.t(), world, save_gathered=need_w)
+                else:
+                    _ag_forward(
+                        torch.empty_like(y), weight.t(), world, save_gathered=True, do_gemm=False
+                    )
         ctx.world = world
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x if need_w else None, weight)
