@@ -126,7 +126,13 @@ def ag_matmul_config(
     grouped GEMM in ANCHORS.md, 667 TFLOP/s on the H200), narrower for fp32 (tf32) and for short
     shards. BM is also the chunk size of the gather.
     """
-    pinned = pinned_config("MOE_OVERLAP_TP_AG_CONFIG")
+    return tile_config("MOE_OVERLAP_TP_AG_CONFIG", m_local, n, element_size, interpreted)
+
+
+def tile_config(env: str, m_local: int, n: int, element_size: int, interpreted: bool):
+    """The pinned config under ``env`` if set, else the default for these sizes (shared by the
+    AllGather+GEMM and GEMM+ReduceScatter kernels)."""
+    pinned = pinned_config(env)
     if pinned is not None:
         return pinned
     if interpreted:

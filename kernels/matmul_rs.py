@@ -43,7 +43,7 @@ what overlaps is the scatter traffic with the GEMM.
 import triton
 import triton.language as tl
 
-from .ag_matmul import TileConfig, pinned_config
+from .ag_matmul import TileConfig, tile_config
 from .launch import launch
 from .signals import peer_ptr, signal_set, wait_geq
 
@@ -59,16 +59,7 @@ def matmul_rs_config(
 
     BM x BN is also the flag granularity and the reduction tile.
     """
-    pinned = pinned_config("MOE_OVERLAP_TP_RS_CONFIG")
-    if pinned is not None:
-        return pinned
-    if interpreted:
-        return TileConfig(16, 32, 32, 1, 1)
-    bm = 64 if m_local <= 64 else 128
-    if element_size >= 4:
-        return TileConfig(bm, 128, 32, 8, 3)
-    bn = 256 if n >= 2048 and bm == 128 else 128
-    return TileConfig(bm, bn, 64, 8 if bn == 256 else 4, 3)
+    return tile_config("MOE_OVERLAP_TP_RS_CONFIG", m_local, n, element_size, interpreted)
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])
