@@ -60,6 +60,18 @@ def tile_coords(t, n_m, n_n, GROUP_M: tl.constexpr):
     return mt, nt
 
 
+@triton.jit
+def expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM: tl.constexpr, GROUP_M: tl.constexpr):
+    """Persistent tile ``t``: its N-tile, first row, local expert, rows and row mask (rows past
+    the expert's real rows are padding; experts are padded to BM so a tile has one expert)."""
+    mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
+    r0 = mt * BM
+    le = tl.load(row_l_ptr + r0)
+    end = tl.load(exp_end_ptr + le)
+    rows = r0 + tl.arange(0, BM)
+    return nt, r0, le, rows, rows < end
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -169,12 +181,7 @@ def _layer0_kernel(
         for t in range(cpid, total, cprog):
             if TRACE:
                 t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
-            mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
-            r0 = mt * BM
-            le = tl.load(row_l_ptr + r0)
-            end = tl.load(exp_end_ptr + le)
-            rows = r0 + tl.arange(0, BM)
-            rmask = rows < end
+            nt, r0, le, rows, rmask = expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM, GROUP_M)
             nbad = tl.zeros((), tl.int32)
             if W > 1:
                 for s in range(W):

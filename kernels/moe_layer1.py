@@ -27,7 +27,7 @@ GEMM comes from the epilogue's remote stores. Stage codes: 1 (ready), 5 (combine
 import triton
 import triton.language as tl
 
-from .moe_layer0 import tile_coords
+from .moe_layer0 import expert_tile
 from .signals import signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -87,12 +87,7 @@ def _layer1_gemm_kernel(
     for t in range(pid, total, nprog):
         if TRACE:
             t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
-        mt, nt = tile_coords(t, n_m, n_n, GROUP_M)
-        r0 = mt * BM
-        le = tl.load(row_l_ptr + r0)
-        end = tl.load(exp_end_ptr + le)
-        rows = r0 + tl.arange(0, BM)
-        rmask = rows < end
+        nt, r0, le, rows, rmask = expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM, GROUP_M)
         cols = nt * BN + tl.arange(0, BN)
         cmask = cols < H
         a_row = h_ptr + rows.to(tl.int64) * stride_hm
