@@ -22,6 +22,10 @@ grid: its wait spans the whole GEMM (every expert contributes to every column), 
 consumer programs would idle SMs the GEMM needs; issued second on the stream it costs one
 launch and overlaps the peers' tail instead. The overlap of the combine's *traffic* with the
 GEMM comes from the epilogue's remote stores. Stage codes: 1 (ready), 5 (combine).
+
+Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-02): GEMM +
+combine 6.69 ms, 575 TFLOP/s: 0.98x ``torch._grouped_mm`` on the same GEMM (6.53 ms) and 1.05x
+grouped_mm + weighted ``index_add_`` (7.02 ms).
 """
 
 import triton
