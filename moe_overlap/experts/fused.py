@@ -509,10 +509,14 @@ def _expert_sum(rows, layout: Layout):
     return out.index_add_(0, layout.row_local_expert.long(), rows.float())
 
 
-def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype):
+def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     """``out[l] = a_rows[rows of l]^T @ b_rows[rows of l]`` -> ``[El, A, B]``.
 
     Padding rows of both operands are zero, so each expert can use its whole padded range.
+    bf16 on the GPU: one ``torch._grouped_mm``. Otherwise one matmul per expert on its row
+    range, which needs the ranges on the host (a sync) - except for emulated ranks sharing a
+    GPU, whose backward must never block autograd's shared worker thread: there, a masked
+    product per expert (El times the work; test sizes only).
     """
     El = layout.local_experts
     BM = layout.block_m
@@ -532,9 +536,7 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype):
         except (RuntimeError, TypeError):
             pass
     out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
-    if a_rows.is_cuda:
-        # No host sync on the GPU (the emulated backward must never block its worker thread):
-        # one masked product per expert.
+    if a_rows.is_cuda and world.backend == "emulated" and world.world_size > 1:
         rl = layout.row_local_expert
         for le in range(El):
             m = (rl == le)[:, None]
@@ -667,7 +669,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
         stage_ws=ws,
     )
     g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
-    d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype)
+    d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype, world)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
 
     # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
@@ -687,7 +689,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
         stride_wn=w1.stride(2),
         stride_wk=w1.stride(1),
     )
-    d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype)
+    d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype, world)
     d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
     return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2
 
