@@ -51,8 +51,10 @@ def _table_entries(device_name: str, dtype: str):
     return tuple(keep)
 
 
+@functools.lru_cache(maxsize=256)
 def pinned(device: torch.device, dtype: torch.dtype, H: int, F: int, E: int, K: int):
-    """The pinned joint config ``{"l0": {...}, "l1": {...}}`` for this shape, or None."""
+    """The pinned joint config ``{"l0": {...}, "l1": {...}}`` for this shape, or None (cached:
+    this runs on every forward)."""
     if device.type != "cuda" or os.environ.get("MOE_OVERLAP_NO_PINNED") == "1":
         return None
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype)
