@@ -54,13 +54,16 @@ _SCRIPT = textwrap.dedent(
         trace_ptr="*i64",
     )
     t0 = types_for(moe_layer0._layer0_kernel, l0_ptrs)
-    for role, W, (act, scale) in itertools.product((0, 1, 2), (1, 2), ((0, False), (4, True))):
+    # forward (SwiGLU, saves gu) and the backward's dispatch GEMM with the SwiGLU / GELU
+    # derivative in its epilogue (DACT)
+    variants = ((0, False, -1), (4, True, 0), (4, True, 1))
+    for role, W, (act, scale, dact) in itertools.product((0, 1, 2), (1, 2), variants):
         if W == 1 and role != 0:
             continue
         build(moe_layer0._layer0_kernel, t0, dict(
             W=W, El=4, ROLE=role, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
             HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
-            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0))
+            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0, DACT=dact))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",

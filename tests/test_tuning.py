@@ -12,7 +12,8 @@ def test_tune_returns_a_joint_config_with_one_block_m():
     shape = dict(tokens=12, hidden=16, ffn=8, experts=4, topk=2)
     cfg = spawn(2, lambda w: tuning.tune("moe", shape, torch.float32, w))[0]
     assert cfg["l0"]["BM"] == cfg["l1"]["BM"]
-    assert set(cfg["l0"]) == {"BM", "BN", "BK", "num_warps", "num_stages"}
+    assert set(cfg["l0"]) == {"BM", "BN", "BK", "num_warps", "num_stages", "GM"}
+    assert set(cfg["candidates_ms"]) == {"layer0", "layer1"}
     assert cfg["ms"]["layer0"] > 0 and cfg["ms"]["layer1"] > 0
 
 
@@ -40,3 +41,32 @@ def test_pinned_lookup_matches_shape_and_ignores_tokens(tmp_path, monkeypatch):
         assert tuning.pinned(torch.device("cpu"), torch.bfloat16, 4096, 14336, 8, 2) is None
     finally:
         tuning._table_entries.cache_clear()
+
+
+def test_env_config_takes_group_m_and_rejects_bad_lengths(monkeypatch):
+    from moe_overlap.experts import fused
+
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", "128,128,64,8,4,32")
+    assert fused.layer0_config("swiglu") == dict(
+        BM=128, BN=128, BK=64, num_warps=8, num_stages=4, GM=32
+    )
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", "128,128,64")
+    try:
+        fused.layer0_config("swiglu")
+    except ValueError as e:
+        assert "MOE_OVERLAP_L0_CONFIG" in str(e)
+    else:
+        raise AssertionError("a 3-field config was accepted")
+
+
+def test_pinned_swiglu_config_does_not_leak_into_plain_gemms(monkeypatch):
+    from moe_overlap.experts import fused
+
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
+    pin = {
+        "l0": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, GM=16),
+        "l1": dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, GM=8),
+    }
+    assert fused.layer0_config("swiglu", 2, pin) == pin["l0"]
+    plain = fused.layer0_config("plain", 2, pin)
+    assert plain["BM"] == 64 and plain["BN"] == 256 and "GM" not in plain

@@ -56,8 +56,13 @@ def _env_cfg(name):
     v = os.environ.get(name)
     if not v:
         return None
-    bm, bn, bk, warps, stages = (int(p) for p in v.split(","))
-    return dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+    parts = [int(p) for p in v.split(",")]
+    if len(parts) not in (5, 6):
+        raise ValueError(f"{name}={v!r}: expected BM,BN,BK,warps,stages[,GROUP_M]")
+    cfg = dict(BM=parts[0], BN=parts[1], BK=parts[2], num_warps=parts[3], num_stages=parts[4])
+    if len(parts) == 6:
+        cfg["GM"] = parts[5]
+    return cfg
 
 
 def block_m(pinned=None) -> int:
@@ -77,10 +82,18 @@ def layer0_config(activation: str, elem_size: int = 2, pinned=None) -> dict:
     cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
     if cfg:
         return cfg
-    if pinned is not None:
+    if pinned is not None and activation == "swiglu":
         return dict(pinned["l0"])
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
+    if pinned is not None:  # tuned for the SwiGLU forward; a plain GEMM keeps only its BLOCK_M
+        return dict(
+            BM=pinned["l0"]["BM"],
+            BN=256,
+            BK=64 if elem_size <= 2 else 32,
+            num_warps=8,
+            num_stages=3,
+        )
     # 4-byte operands halve BK: 3 stages of 128x64 + 2x64x128 fp32 tiles need 288 KiB of shared
     # memory, over the H200's 227 KiB (measured: the launch fails).
     bk = 64 if elem_size <= 2 else 32
@@ -210,11 +223,16 @@ def _launch_layer0(
     stride_wk=None,
     stage_ws=None,
     trace=None,
+    dact=None,
+    pre=None,
 ):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
     ``w`` is indexed ``w[l, n, k]`` through ``stride_wn`` / ``stride_wk`` (so a transposed view
     works for the backward). Returns (out [R, N], gu [R, 2N or N] or None, recv, slot).
+    ``dact`` (backward; ``act`` must be "none"): the epilogue multiplies by the derivative of
+    that activation at the saved pre-activations ``pre [R, 2N or N]``, and ``out`` is then
+    ``d pre`` (``[R, 2N]`` for SwiGLU), zero on padding rows.
     """
     device = x.device
     W = world.world_size
@@ -225,7 +243,12 @@ def _launch_layer0(
     R = layout.rows_cap
     H = x.shape[1]
     N = n_out
-    out = torch.empty(R, N, dtype=x.dtype, device=device)
+    if dact is not None:
+        if act != "none" or save_gu or pre is None or pre.shape[0] != R:
+            raise ValueError("dact needs act='none', no save_gu and pre [R, ...]")
+        out = torch.empty(R, pre.shape[1], dtype=x.dtype, device=device)
+    else:
+        out = torch.empty(R, N, dtype=x.dtype, device=device)
     gu = None
     if save_gu:
         gu = torch.empty(R, 2 * N if act == "swiglu" else N, dtype=x.dtype, device=device)
@@ -274,7 +297,7 @@ def _launch_layer0(
         w_ptr=w,
         b_ptr=bias if bias is not None else df,
         out_ptr=out,
-        gu_ptr=gu if gu is not None else df,
+        gu_ptr=gu if gu is not None else (pre if pre is not None else df),
         err_ptr=world.error_buffer,
         rank=world.rank,
         budget=world.wait_budget,
@@ -290,7 +313,7 @@ def _launch_layer0(
         stride_wk=stride_wk,
         stride_be=bias.stride(0) if bias is not None else 0,
         stride_om=out.stride(0),
-        stride_gm=gu.stride(0) if gu is not None else 0,
+        stride_gm=gu.stride(0) if gu is not None else (pre.stride(0) if pre is not None else 0),
         W=W,
         El=layout.local_experts,
         ACT=ACT_CODES[act],
@@ -304,9 +327,10 @@ def _launch_layer0(
         BK=cfg["BK"],
         CH=CHUNK,
         BH=32 if interpreted() else 128,
-        GROUP_M=8,
+        GROUP_M=cfg.get("GM", 8),
         USE_TIMER=world.use_timer,
         TRACE=trace is not None,
+        DACT=ACT_CODES[dact] if dact is not None else -1,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -432,7 +456,7 @@ def _launch_layer1(
                 BM=BM,
                 BN=cfg["BN"],
                 BK=cfg["BK"],
-                GROUP_M=8,
+                GROUP_M=cfg.get("GM", 8),
                 USE_TIMER=world.use_timer,
                 TRACE=trace is not None,
                 num_warps=cfg["num_warps"],
@@ -479,30 +503,6 @@ def _valid_rows(layout: Layout) -> torch.Tensor:
     return layout.row_tok >= -1
 
 
-def _act_backward(d_h, gu, activation, valid):
-    d_h = d_h.float()
-    if activation == "swiglu":
-        F = d_h.shape[1]
-        g, u = gu[:, :F].float(), gu[:, F:].float()
-        sig = torch.sigmoid(g)
-        d_u = d_h * g * sig
-        d_g = d_h * u * sig * (1 + g * (1 - sig))
-        d = torch.cat([d_g, d_u], 1)
-    else:
-        v = gu.float()
-        if activation == "gelu":
-            cdf = 0.5 * (1 + torch.erf(v * 0.7071067811865476))
-            pdf = torch.exp(-0.5 * v * v) * 0.3989422804014327
-            d = d_h * (cdf + v * pdf)
-        elif activation == "relu":
-            d = d_h * (v > 0)
-        else:  # silu
-            sig = torch.sigmoid(v)
-            d = d_h * sig * (1 + v * (1 - sig))
-    # Padding rows hold garbage pre-activations: zero them so no NaN reaches the wgrads.
-    return torch.where(valid[:, None], d, torch.zeros_like(d))
-
-
 def _expert_sum(rows, layout: Layout):
     """Per-local-expert sum of ``rows [R, N]`` (padding rows must be zero) -> ``[El, N]``."""
     out = torch.zeros(layout.local_experts, rows.shape[1], dtype=torch.float32, device=rows.device)
@@ -512,7 +512,8 @@ def _expert_sum(rows, layout: Layout):
 def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     """``out[l] = a_rows[rows of l]^T @ b_rows[rows of l]`` -> ``[El, A, B]``.
 
-    Padding rows of both operands are zero, so each expert can use its whole padded range.
+    Padding rows inside the experts' padded ranges are zero in both operands, so each expert
+    can use its whole padded range; rows past the last range are unspecified.
     bf16 on the GPU: one ``torch._grouped_mm``. Otherwise one matmul per expert on its row
     range, which needs the ranges on the host (a sync) - except for emulated ranks sharing a
     GPU, whose backward must never block autograd's shared worker thread: there, a masked
@@ -538,10 +539,12 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
     if a_rows.is_cuda and world.backend == "emulated" and world.world_size > 1:
         rl = layout.row_local_expert
+        valid = _valid_rows(layout)
         for le in range(El):
-            m = (rl == le)[:, None]
+            m = ((rl == le) & valid)[:, None]
             a = torch.where(m, a_rows, torch.zeros_like(a_rows)).float()
-            out[le] = (a.t() @ b_rows.float()).to(out_dtype)
+            b = torch.where(m, b_rows, torch.zeros_like(b_rows)).float()
+            out[le] = (a.t() @ b).to(out_dtype)
         return out
     starts = layout.expert_start.tolist()
     ends = layout.expert_end.tolist()
@@ -600,15 +603,47 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return y, saved
 
 
-def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws):
-    """Backward of the combine: dispatch ``dy * w`` into a GEMM with ``w2`` (-> d h)."""
-    d_h = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws)
-    return d_h
+def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act):
+    """Backward of the combine and the activation: dispatch ``dy * w`` into a GEMM with ``w2``
+    (-> d h) whose epilogue applies ``act``'s derivative at the saved ``gu`` -> ``d gu``
+    (zeros on padding rows).
+
+    The backward and :func:`_warm_backward` both call this, so the warm-up compiles exactly the
+    variants the backward launches."""
+    d_gu, _ = _launch_layer0(
+        dy,
+        layout,
+        w2,
+        world,
+        "none",
+        scale=wflat,
+        row_scale=row_scale,
+        n_out=w2.shape[2],
+        stride_wn=w2.stride(2),
+        stride_wk=w2.stride(1),
+        stage_ws=ws,
+        dact=act,
+        pre=gu,
+    )
+    return d_gu
 
 
 def _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H):
     """Backward of the dispatch: combine ``d gu @ w1`` back to the sources (unweighted)."""
-    dx = _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H)
+    dx, _ = _launch_layer1(
+        d_gu,
+        layout,
+        w1,
+        world,
+        None,
+        None,
+        row_slot,
+        ws,
+        k_dim=d_gu.shape[1],
+        n_out=H,
+        stride_wn=w1.stride(2),
+        stride_wk=w1.stride(1),
+    )
     return dx
 
 
@@ -618,7 +653,9 @@ def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws
     wflat = topk_weights.contiguous().view(-1)
     with warmup_only():
         row_scale = torch.empty(layout.rows_cap, dtype=torch.float32, device=x.device)
-        _bwd_dispatch(torch.empty_like(x), layout, w2, world, wflat, row_scale, ws)
+        _bwd_dispatch(
+            torch.empty_like(x), layout, w2, world, wflat, row_scale, ws, saved["gu"], activation
+        )
         d_gu = torch.empty_like(saved["gu"])
         _bwd_combine(d_gu, layout, w1, world, saved["row_slot"], ws, x.shape[1])
 
@@ -635,7 +672,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     h, gu, x_rows, o, row_slot = (saved[k] for k in ("h", "gu", "x_rows", "o", "row_slot"))
     dy = dy.contiguous().to(x_dtype)
     T, H = dy.shape
-    K, F = layout.top_k, w2.shape[2]
+    K = layout.top_k
     ws = _workspace(world, layout, H, dy.dtype)
     valid = _valid_rows(layout)
     wflat = topk_weights.contiguous().view(-1)
@@ -655,42 +692,18 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     else:
         w_local = torch.zeros_like(tok, dtype=torch.float32)
     row_scale = torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
-    d_h, _ = _launch_layer0(
-        dy,
-        layout,
-        w2,
-        world,
-        "none",
-        scale=wflat,
-        row_scale=row_scale,
-        n_out=F,
-        stride_wn=w2.stride(2),
-        stride_wk=w2.stride(1),
-        stage_ws=ws,
-    )
-    g_rows = _mask_rows(_gather_rows(layout, dy, ws[0], row_scale=row_scale), valid)
-    d_w2 = _grouped_wgrad(g_rows, _mask_rows(h, valid), layout, w2.dtype, world)
+    d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
+    # Padding rows are zero in g_rows (gathered) and in h (layer 0's epilogue writes them): the
+    # grouped wgrad can take whole padded expert ranges without a masking pass.
+    g_rows = _gather_rows(layout, dy, ws[0], row_scale=row_scale)
+    d_w2 = _grouped_wgrad(g_rows, h, layout, w2.dtype, world)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
 
-    # activation backward, then layer 0: combine d gu @ w1 back to the sources -> dx
-    d_gu = _act_backward(_mask_rows(d_h, valid), gu, act, valid).to(dy.dtype)
-    n_in = d_gu.shape[1]
-    dx, _ = _launch_layer1(
-        d_gu,
-        layout,
-        w1,
-        world,
-        None,
-        None,
-        row_slot,
-        ws,
-        k_dim=n_in,
-        n_out=H,
-        stride_wn=w1.stride(2),
-        stride_wk=w1.stride(1),
-    )
+    # layer 0: combine d gu @ w1 back to the sources -> dx
+    dx = _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H)
     d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype, world)
-    d_b1 = _expert_sum(d_gu, layout).to(b1.dtype) if b1 is not None else None
+    # rows past the last tile are never written: mask them for the bias's row sum
+    d_b1 = _expert_sum(_mask_rows(d_gu, valid), layout).to(b1.dtype) if b1 is not None else None
     return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2
 
 

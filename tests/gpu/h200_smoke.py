@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 import triton.testing
@@ -90,8 +91,8 @@ def correctness():
     for mode in ("sequential", "concurrent"):
         try:
             RES[f"toy_{mode}"] = spawn(3, toy, device="cuda", mode=mode)
-        except Exception as e:  # noqa: BLE001
-            RES[f"toy_{mode}_error"] = repr(e)[:500]
+        except Exception:  # noqa: BLE001
+            RES[f"toy_{mode}_error"] = traceback.format_exc()[-2500:]
     for mode in ("sequential", "concurrent"):
 
         def fn(world, mode):
@@ -125,8 +126,8 @@ def correctness():
         for W in (2,) if "--lean" in sys.argv else (2, 4):
             try:
                 RES[f"emulated_{mode}_W{W}_rel"] = spawn(W, fn, mode, device="cuda", mode=mode)
-            except Exception as e:  # noqa: BLE001
-                RES[f"emulated_{mode}_W{W}_error"] = repr(e)[:800]
+            except Exception:  # noqa: BLE001
+                RES[f"emulated_{mode}_W{W}_error"] = traceback.format_exc()[-2500:]
 
 
 def bench(name, T, H, F, E, K):
@@ -197,8 +198,6 @@ if __name__ == "__main__":
     try:
         correctness()
     except Exception as e:  # keep going to the benchmark
-        import traceback
-
         traceback.print_exc()
         RES["correctness_error"] = repr(e)
     print(json.dumps(RES, indent=1), flush=True)

@@ -1,0 +1,64 @@
+"""Kernel-level time breakdown of fused_experts forward+backward on one GPU (not a pytest file).
+
+python tests/gpu/profile_moe.py [preset ...]   # default mixtral-8x7b
+Prints, per preset, the forward and backward wall times (CUDA events) and the top kernels of one
+profiled forward+backward (torch.profiler), so a slow step shows up by name.
+"""
+
+import sys
+
+import torch
+
+import moe_overlap as mo
+from moe_overlap.bench.presets import get_moe_shape
+
+
+def profile(name):
+    dev = torch.device("cuda")
+    s = get_moe_shape(name)
+    T, H, F, E, K = s.tokens, s.hidden, s.ffn, s.experts, s.topk
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, torch.bfloat16).requires_grad_()
+    w, ids = torch.randn(T, E, generator=g).to(dev).softmax(-1).topk(K, -1)
+    w = w.requires_grad_()
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, torch.bfloat16)
+    w1.requires_grad_()
+    w2.requires_grad_()
+    dy = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+
+    def step():
+        y = mo.fused_experts(x, ids, w, w1, w2)
+        y.backward(dy)
+        return y
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    fw, bw = [], []
+    for _ in range(5):
+        ev[0].record()
+        y = mo.fused_experts(x, ids, w, w1, w2)
+        ev[1].record()
+        y.backward(dy)
+        ev[2].record()
+        torch.cuda.synchronize()
+        fw.append(ev[0].elapsed_time(ev[1]))
+        bw.append(ev[1].elapsed_time(ev[2]))
+    fw.sort()
+    bw.sort()
+    print(f"== {name}: forward {fw[2]:.3f} ms, backward {bw[2]:.3f} ms (median of 5)")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=22, max_name_column_width=70
+    )
+    print(table, flush=True)
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or ["mixtral-8x7b"]:
+        profile(n)
