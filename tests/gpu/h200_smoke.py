@@ -192,6 +192,10 @@ def bench(name, T, H, F, E, K):
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    # A hang prints every thread's stack (autograd's worker included) before the call's limit.
+    faulthandler.dump_traceback_later(int(os.environ.get("SMOKE_DUMP_S", "0")) or 10**6)
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     if "--bench-first" in sys.argv:
         bench("mixtral-8x7b", 16384, 4096, 14336, 8, 2)

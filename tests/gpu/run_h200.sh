@@ -14,12 +14,15 @@ if [ "$what" = smoke ] || [ "$what" = all ]; then
 fi
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # pytest-timeout is on the H200 image: one hung test must not eat the whole call.
-  to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout=150"
-  timeout 480 python3 -m pytest -q -m "gpu or multigpu" tests -p no:cacheprovider $to \
+  to=""; python3 -c "import pytest_timeout" 2>/dev/null && to="--timeout=${TEST_TIMEOUT:-150}"
+  timeout "${PYTEST_S:-480}" python3 -m pytest -q -m "gpu or multigpu" tests -p no:cacheprovider $to \
     --junitxml="$OUT/pytest_gpu.xml" > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" | cut -c1-300
   for f in tests/multigpu/test_*.py; do
-    timeout 120 torchrun --nproc-per-node 1 "$f" > "$OUT/$(basename "$f" .py).log" 2>&1
-    echo "torchrun $f rc=$?"; tail -3 "$OUT/$(basename "$f" .py).log" | cut -c1-300
+    # one log for all (the device tool returns at most 8 files)
+    echo "=== $f" >> "$OUT/torchrun.log"
+    timeout "${TORCHRUN_S:-120}" torchrun --nproc-per-node 1 "$f" > "$OUT/tr.log" 2>&1
+    echo "torchrun $f rc=$?"; tail -3 "$OUT/tr.log" | cut -c1-300
+    cat "$OUT/tr.log" >> "$OUT/torchrun.log"; rm -f "$OUT/tr.log"
   done
 fi
