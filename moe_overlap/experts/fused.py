@@ -40,7 +40,7 @@ import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
 from ..kernels.launch import launch as _launch
-from ..kernels.launch import warmup_only
+from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..world import WorkspacePlan, World, interpreted, launch_lock
@@ -573,6 +573,22 @@ def _mask_rows(t, valid):
 
 def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
     """Forward; returns ``(y, saved)`` where ``saved`` holds what the backward needs."""
+    if (
+        world.concurrent
+        and world.device.type == "cuda"
+        and world.world_size > 1
+        and not world.in_backward
+    ):
+        # Load every kernel variant of this forward *and* its backward before any rank launches
+        # one: measured on the H200, a module load issued while peers' kernels of this op ran
+        # (the backward's variants, loaded after the forward's launches) blocked for good.
+        with warmup_only():
+            _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad)
+        world.barrier()
+    return _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad)
+
+
+def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
     H = x.shape[1]
     F = w2.shape[2]
     ws = _workspace(world, layout, H, x.dtype)
@@ -611,7 +627,7 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     saved = None
     if need_grad:
         saved = dict(h=h, gu=gu, x_rows=x_rows, o=o, row_slot=row_slot)
-        if world.concurrent and world.device.type == "cuda" and world.world_size > 1:
+        if warming_up():  # see _forward_impl
             _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws)
     return y, saved
 
@@ -661,8 +677,9 @@ def _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H):
 
 
 def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws):
-    """Compile and load the backward's kernel variants now: the backward of emulated ranks runs
-    on autograd's one CUDA worker thread, where no barrier can protect a lazy kernel load."""
+    """Compile and load the backward's kernel variants (called inside the forward's warm-up):
+    the backward of emulated ranks runs on autograd's one CUDA worker thread, where no barrier
+    can protect a lazy kernel load."""
     wflat = topk_weights.contiguous().view(-1)
     with warmup_only():
         row_scale = torch.empty(layout.rows_cap, dtype=torch.float32, device=x.device)
