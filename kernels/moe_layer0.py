@@ -19,9 +19,9 @@ Epilogue: bias, activation (SwiGLU: gate rows [0, F), up rows [F, 2F) of w1; or 
 SiLU/identity), an optional per-row scale, and optionally the pre-activations for backward.
 In the backward (``DACT`` = the forward's activation code) the same kernel computes
 ``d h = (dy * w) @ w2`` and its epilogue applies the activation's derivative to the saved
-pre-activations, writing ``d gu [R, 2F]`` directly: measured, the unfused fp32 torch version of
-that step moves ~60 GB per Mixtral backward (estimated ~17 ms of the 90 ms forward+backward
-measured before it was fused).
+pre-activations, writing ``d gu [R, 2F]`` directly. Measured on the H200 (Mixtral-8x7B, 16k
+tokens): the unfused fp32 torch version of that step moved ~60 GB; fusing it took the layer's
+forward+backward from 90.2 to 73.2 ms.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
@@ -30,8 +30,10 @@ written as NaN and the error record names the flag (``src * El + l``).
 
 Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-02): 13.17 ms,
 585 TFLOP/s: 0.88x ``torch._grouped_mm`` on the same GEMM (11.56 ms) and 1.05x the unfused
-index_select + grouped_mm + SwiGLU pipeline (13.77 ms). Compute-bound (7.7 TFLOP vs 3.1 GB
-moved); the gap is kernel efficiency, not the gather (BENCHMARKS.md).
+index_select + grouped_mm + SwiGLU pipeline (13.77 ms); with the CLI's rotating inputs 13.93 ms,
+0.84x grouped_mm, 1.03x unfused. Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
+Compute-bound (7.7 TFLOP vs 3.1 GB moved); the gap is kernel efficiency, not the gather
+(BENCHMARKS.md).
 
 Traps found
 -----------

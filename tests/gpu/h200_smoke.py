@@ -95,12 +95,17 @@ def correctness():
             RES[f"toy_{mode}_error"] = traceback.format_exc()[-2500:]
     for mode in ("sequential", "concurrent"):
 
-        def fn(world, mode):
-            g = torch.Generator(device="cpu").manual_seed(10 + world.rank)
-            Tr = 300 + 77 * world.rank
+        def rank_data(r):
+            g = torch.Generator(device="cpu").manual_seed(10 + r)
+            Tr = 300 + 77 * r
             xx = torch.randn(Tr, H, generator=g).to(dev, torch.bfloat16)
             ii = torch.randint(0, E, (Tr, K), generator=g).to(dev)
             ww = torch.rand(Tr, K, generator=g).to(dev)
+            dy = torch.randn(Tr, H, generator=g).to(dev)
+            return xx, ii, ww, dy
+
+        def fn(world, mode):
+            xx, ii, ww, dy = rank_data(world.rank)
             El = E // world.world_size
             sl = slice(world.rank * El, (world.rank + 1) * El)
             if world.rank == 0:
@@ -110,16 +115,17 @@ def correctness():
             yy = mo.fused_experts(xg, ii, ww, w1l, w2[sl], world=world)
             out = [rel(yy, ref_experts(xx, ii, ww, w1, w2))]
             if mode == "concurrent":
-                dy = torch.randn_like(yy)
-                (yy.float() * dy.float()).sum().backward()
-                xr = xx.float().requires_grad_()
+                (yy.float() * dy).sum().backward()
+                # w1's gradient on this rank's experts sums every rank's tokens routed to them
                 w1r = w1.float().requires_grad_()
-                (ref_experts(xr, ii, ww, w1r, w2) * dy.float()).sum().backward()
-                out += [
-                    rel(xg.grad, xr.grad),
-                    w1r.grad[sl].norm().item(),
-                    w1l.grad.float().norm().item(),
-                ]
+                xr = xx.float().requires_grad_()
+                loss = (ref_experts(xr, ii, ww, w1r, w2) * dy).sum()
+                for r in range(world.world_size):
+                    if r != world.rank:
+                        xo, io, wo, do = rank_data(r)
+                        loss = loss + (ref_experts(xo, io, wo, w1r, w2) * do).sum()
+                loss.backward()
+                out += [rel(xg.grad, xr.grad), rel(w1l.grad, w1r.grad[sl])]
             world.check()
             return out
 
