@@ -677,3 +677,36 @@ def test_num_experts_not_divisible_by_world_size(no_launch):
 
     with pytest.raises(ValueError, match="divisible"):
         spawn(2, fn, timeout=30)
+
+
+@pytest.fixture
+def nan_filled_empty():
+    """``torch.empty`` returns NaN-filled floats (and max ints): a kernel that leaves a row the
+    backward reads unwritten shows up as a NaN gradient rather than as lucky zeros."""
+    prev = torch.are_deterministic_algorithms_enabled()
+    prev_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    prev_fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = prev_fill
+        torch.use_deterministic_algorithms(prev, warn_only=prev_warn)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (7,), 13, 7, 4, 2, "swiglu", True, "zipf"),
+        Case(3, (5, 0, 9), 24, 20, 6, 2, "gelu", True, "hot"),
+        Case(2, (6, 4), 13, 7, 4, 3, "relu", True, "drop"),
+    ],
+    ids=str,
+)
+def test_backward_never_reads_unwritten_rows(case, nan_filled_empty):
+    # Static sizing leaves receive rows past the last tile that no kernel writes; padding rows
+    # inside tiles are written as zeros by the epilogues (the wgrads read whole padded ranges).
+    prob = make_problem(case)
+    got = run_fused(prob, max_tokens_per_rank=16)
+    check_against_reference(prob, got)

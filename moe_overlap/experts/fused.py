@@ -546,10 +546,12 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
             b = torch.where(m, b_rows, torch.zeros_like(b_rows)).float()
             out[le] = (a.t() @ b).to(out_dtype)
         return out
+    # Whole padded ranges, as the grouped_mm path reads them: so the CPU suite checks the
+    # zero-padding contract the GPU path relies on.
     starts = layout.expert_start.tolist()
-    ends = layout.expert_end.tolist()
+    counts = (layout.expert_end - layout.expert_start).tolist()
     for le in range(El):
-        s, e = starts[le], ends[le]
+        s, e = starts[le], starts[le] + -(-counts[le] // BM) * BM
         out[le] = (a_rows[s:e].float().t() @ b_rows[s:e].float()).to(out_dtype)
     return out
 
