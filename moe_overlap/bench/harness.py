@@ -245,23 +245,32 @@ def _cand_layer1(p, world):
     return _cand_layer(p, world, "layer1")
 
 
-def _cand_fused_experts(p: B.MoEProblem, world) -> Case:
+def _cand_fused_experts(p: B.MoEProblem, world, static: bool = False) -> Case:
+    """``static``: ``max_tokens_per_rank`` = the tokens per rank, so the layout is sized for the
+    worst case and the layer has no host sync (the exact sizing reads the counts back once)."""
     (fused_experts,) = _import_attrs("moe_overlap", "fused_experts")
     s = p.shape
 
     def fwd(x, wr, w1, w2, j):
         ids, w = B.torch_route(x, wr, s.topk, s.score_func)
-        return fused_experts(x, ids, w, w1, w2, world=world, activation=s.activation)
+        kw = {"max_tokens_per_rank": x.shape[0]} if static else {}
+        return fused_experts(x, ids, w, w1, w2, world=world, activation=s.activation, **kw)
 
     step, canon = B._moe_step(p, fwd)
+    name = "fused_experts_static" if static else "fused_experts"
+    note = "torch router + moe_overlap.fused_experts"
     return Case(
-        "fused_experts",
+        name,
         "candidate",
         step,
         canon,
         B._moe_flops(p, B._M(B._sorted_info(p, world))),
-        note="torch router + moe_overlap.fused_experts",
+        note=note + (" (max_tokens_per_rank: no host sync)" if static else ""),
     )
+
+
+def _cand_fused_experts_static(p: B.MoEProblem, world) -> Case:
+    return _cand_fused_experts(p, world, static=True)
 
 
 def _cand_moe_layer(p: B.MoEProblem, world) -> Case:
@@ -335,7 +344,11 @@ def _cand_dense(p: B.DenseProblem, world) -> Case:
 CANDIDATES: dict[str, dict[str, Callable]] = {
     "layer0": {"fused": _cand_layer0},
     "layer1": {"fused": _cand_layer1},
-    "moe": {"fused_experts": _cand_fused_experts, "MoELayer": _cand_moe_layer},
+    "moe": {
+        "fused_experts": _cand_fused_experts,
+        "fused_experts_static": _cand_fused_experts_static,
+        "MoELayer": _cand_moe_layer,
+    },
     "ag-matmul": {"fused": _cand_dense},
     "matmul-rs": {"fused": _cand_dense},
 }
