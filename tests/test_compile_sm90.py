@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from moe_overlap.kernels import moe_counts, moe_layer0, moe_layer1
+    from moe_overlap.kernels import gather_rows, moe_counts, moe_layer0, moe_layer1
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -95,6 +95,13 @@ _SCRIPT = textwrap.dedent(
     for role in (0, 1, 2):
         build(moe_counts._count_exchange_kernel, tk, dict(W=2, ROLE=role, BE=16,
                                                            USE_TIMER=True), warps=4, stages=2)
+        n += 1
+    g_ptrs = dict(x_ptr="*" + dt, recv_ptr="*" + dt, tok_ptr="*i32", scale_ptr="*fp32",
+                  out_ptr="*" + dt)
+    tg = types_for(gather_rows._gather_rows_kernel, g_ptrs)
+    for recv, scale in ((True, True), (False, False)):
+        build(gather_rows._gather_rows_kernel, tg, dict(HAS_RECV=recv, HAS_SCALE=scale, BR=32,
+                                                        BH=128), warps=4, stages=2)
         n += 1
     print(f"compiled {n} MoE kernel variants for sm_90")
     """

@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
+from ..kernels.gather_rows import gather_rows
 from ..kernels.launch import launch as _launch
 from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
@@ -86,20 +87,14 @@ def layer0_config(activation: str, elem_size: int = 2, pinned=None) -> dict:
         return dict(pinned["l0"])
     if interpreted():
         return dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
-    if pinned is not None:  # tuned for the SwiGLU forward; a plain GEMM keeps only its BLOCK_M
-        return dict(
-            BM=pinned["l0"]["BM"],
-            BN=256,
-            BK=64 if elem_size <= 2 else 32,
-            num_warps=8,
-            num_stages=3,
-        )
     # 4-byte operands halve BK: 3 stages of 128x64 + 2x64x128 fp32 tiles need 288 KiB of shared
     # memory, over the H200's 227 KiB (measured: the launch fails).
     bk = 64 if elem_size <= 2 else 32
+    # Pinned configs are tuned for the SwiGLU forward: a plain GEMM keeps only their BLOCK_M.
+    bm = pinned["l0"]["BM"] if pinned is not None else 128
     if activation == "swiglu":  # two accumulators: a 128 x (2 x 128) tile
-        return dict(BM=128, BN=128, BK=bk, num_warps=8, num_stages=3)
-    return dict(BM=128, BN=256, BK=bk, num_warps=8, num_stages=3)
+        return dict(BM=bm, BN=128, BK=bk, num_warps=8, num_stages=3)
+    return dict(BM=bm, BN=256, BK=bk, num_warps=8, num_stages=3)
 
 
 def layer1_config(elem_size: int = 2, pinned=None) -> dict:
@@ -358,18 +353,12 @@ def _row_slots(layout: Layout, slot) -> torch.Tensor:
 
 def _gather_rows(layout: Layout, x, recv, row_scale=None) -> torch.Tensor:
     """The A rows layer 0 used, as an ordinary tensor ``[R, H]`` (zeros on padding rows)."""
-    tok = layout.row_tok.long()
-    if x.shape[0] == 0:  # a rank with no tokens still receives rows
-        local = x.new_zeros(tok.numel(), x.shape[1])
-    else:
-        local = x.index_select(0, tok.clamp(min=0))
-    if row_scale is not None:
-        local = (local.float() * row_scale.float()[:, None]).to(x.dtype)
-    if layout.world_size > 1:
-        rows = torch.where((tok >= 0)[:, None], local, recv.local[: layout.rows_cap])
-    else:
-        rows = local
-    return torch.where((tok >= -1)[:, None], rows, torch.zeros_like(rows))
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    recv_rows = recv.local[: layout.rows_cap] if layout.world_size > 1 else None
+    scale = row_scale.float().contiguous() if row_scale is not None else None
+    with launch_lock():  # the interpreter is not thread-safe (emulated ranks are threads)
+        return gather_rows(x, layout.row_tok, recv_rows, scale, interpreted())
 
 
 # ------------------------------------------------------------------------------- layer 1

@@ -128,8 +128,6 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
         l0, l1 = l0[:1], l1[:1]  # the interpreter ignores block shapes' speed; prove the plumbing
     t0s, t1s = {}, {}
     for c0 in l0:
-        if op == "layer1" and c0 != l0[0]:
-            break
         with _env(
             **({"MOE_OVERLAP_L0_CONFIG": ",".join(map(str, c0))} if dev.type == "cuda" else {})
         ):
@@ -138,7 +136,7 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     for c1 in l1:
         # layer 0 at c1's BLOCK_M with its default blocks makes layer 1's input and layout
         c0 = next((c for c in l0 if c[0] == c1[0]), None)
-        if c0 is None or (op == "layer0" and c1 != l1[0]):
+        if c0 is None:
             continue
         env = {}
         if dev.type == "cuda":

@@ -1,0 +1,39 @@
+"""The one-pass row gather the wgrads use, against its torch formula (bitwise)."""
+
+import pytest
+import torch
+
+from moe_overlap.kernels.gather_rows import gather_rows
+
+
+def torch_gather(x, tok, recv, scale):
+    t = tok.long()
+    local = x.index_select(0, t.clamp(min=0)) if x.shape[0] else x.new_zeros(t.numel(), x.shape[1])
+    if scale is not None:
+        local = (local.float() * scale[:, None]).to(x.dtype)
+    rows = local if recv is None else torch.where((t >= 0)[:, None], local, recv[: t.numel()])
+    return torch.where((t >= -1)[:, None], rows, torch.zeros_like(rows))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T,R,H", [(9, 21, 13), (0, 7, 40), (33, 50, 1)])
+@pytest.mark.parametrize("with_recv,with_scale", [(True, True), (False, True), (True, False)])
+def test_gather_rows_equals_torch_bitwise(dtype, T, R, H, with_recv, with_scale):
+    g = torch.Generator().manual_seed(T * 100 + R + H)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    tok = torch.randint(-2, max(T, 1), (R,), generator=g).to(torch.int32)
+    if not with_recv:
+        tok = torch.where(tok == -1, torch.full_like(tok, -2), tok)
+    if T == 0:
+        tok = torch.where(tok >= 0, torch.full_like(tok, -1 if with_recv else -2), tok)
+    recv = torch.randn(R + 3, H, generator=g).to(dtype) if with_recv else None
+    scale = torch.rand(R, generator=g) * 3 if with_scale else None
+    out = gather_rows(x, tok, recv, scale, interpreted=True)
+    want = torch_gather(x, tok, recv, scale)
+    assert out.dtype == dtype and out.shape == (R, H)
+    if dtype == torch.bfloat16 and with_scale:
+        # The interpreter rounds fp32 -> bf16 differently from torch (1 ulp at most); compiled
+        # Triton rounds to nearest even like torch (covered by the GPU suite).
+        torch.testing.assert_close(out, want, rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(out, want), (out - want).abs().max()
