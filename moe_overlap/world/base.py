@@ -284,6 +284,7 @@ class World(TopologyMixin):
                 # while a peer's thread is still loading kernel code.
                 with warmup_only():
                     roles()
+                self._warm_delay()
                 self.barrier()
             self._inject_delay()
             with launch_lock():
@@ -315,6 +316,14 @@ class World(TopologyMixin):
 
     def _needs_load_barrier(self) -> bool:
         return False
+
+    def _warm_delay(self) -> None:
+        """Load the sleep kernel of the delay hook before the barrier: CUDA loads kernels lazily,
+        and a first ``torch.cuda._sleep`` issued while peers' kernels already spin waits for them,
+        which wait for this rank. The likely cause of a ``CommTimeoutError`` the toy op raised
+        once in two H200 runs with a delayed rank (the first delay of the process); unverified."""
+        if self.producer_delay_cycles and self.device.type == "cuda":
+            torch.cuda._sleep(1)
 
     def _inject_delay(self) -> None:
         """Test hook: ``world.producer_delay_cycles`` sleeps this rank's stream before a launch,
