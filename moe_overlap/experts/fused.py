@@ -579,28 +579,30 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad)
 
 
-def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
-    H = x.shape[1]
-    F = w2.shape[2]
-    ws = _workspace(world, layout, H, x.dtype)
-    h, gu = _launch_layer0(
+def _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=False, trace=None):
+    """Forward layer 0 (dispatch + GEMM + activation) -> ``(h [R, F], gu or None)``; shared by
+    :func:`fused_experts` and the public :func:`layer0`."""
+    F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
+    return _launch_layer0(
         x,
         layout,
         w1,
         world,
         activation,
         bias=b1,
-        save_gu=need_grad,
+        save_gu=save_gu,
         n_out=F,
         stride_wn=w1.stride(1),
         stride_wk=w1.stride(2),
         stage_ws=ws,
+        trace=trace,
     )
-    row_slot = _row_slots(layout, ws[1])
-    # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
-    x_rows = _gather_rows(layout, x, ws[0]) if need_grad else None
-    wflat = topk_weights.contiguous().view(-1)
-    y, o = _launch_layer1(
+
+
+def _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=False, trace=None):
+    """Forward layer 1 (GEMM + combine) -> ``(y [T, H], o or None)``; shared like
+    :func:`_fwd_layer0`."""
+    return _launch_layer1(
         h,
         layout,
         w2,
@@ -609,12 +611,23 @@ def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
         wflat,
         row_slot,
         ws,
-        k_dim=F,
-        n_out=H,
+        k_dim=w2.shape[2],
+        n_out=w2.shape[1],
         stride_wn=w2.stride(1),
         stride_wk=w2.stride(2),
-        save_o=need_grad,
+        save_o=save_o,
+        trace=trace,
     )
+
+
+def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
+    ws = _workspace(world, layout, x.shape[1], x.dtype)
+    h, gu = _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=need_grad)
+    row_slot = _row_slots(layout, ws[1])
+    # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
+    x_rows = _gather_rows(layout, x, ws[0]) if need_grad else None
+    wflat = topk_weights.contiguous().view(-1)
+    y, o = _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=need_grad)
     saved = None
     if need_grad:
         saved = dict(h=h, gu=gu, x_rows=x_rows, o=o, row_slot=row_slot)
@@ -763,25 +776,13 @@ class _FusedExpertsFn(torch.autograd.Function):
 # ------------------------------------------------------------------------------- public API
 def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=None, trace=None):
     """Layer 0 alone (benchmarks): dispatch + grouped GEMM + activation -> ``h [R, F]`` rows
-    in this rank's receive order (padding rows unspecified). Remembers the row slots on
-    ``layout`` for :func:`layer1`. ``trace``: optional int64 ``[n, 6]`` buffer that receives
-    one (rank, program, tile, start, wait done, end) row per GEMM tile (off: zero cost)."""
-    H = x.shape[1]
-    F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
-    ws = _workspace(world, layout, H, x.dtype)
-    h, _ = _launch_layer0(
-        x.contiguous(),
-        layout,
-        w1,
-        world,
-        activation,
-        bias=b1,
-        n_out=F,
-        stride_wn=w1.stride(1),
-        stride_wk=w1.stride(2),
-        stage_ws=ws,
-        trace=_check_trace(trace, x.device),
-    )
+    in this rank's receive order (padding rows inside an expert's tiles are zero). Remembers
+    the row slots on ``layout`` for :func:`layer1`. ``trace``: optional int64 ``[n, 6]`` buffer
+    that receives one (rank, program, tile, start, wait done, end) row per GEMM tile (off: zero
+    cost)."""
+    ws = _workspace(world, layout, x.shape[1], x.dtype)
+    trace = _check_trace(trace, x.device)
+    h, _ = _fwd_layer0(x.contiguous(), layout, w1, world, activation, b1, ws, trace=trace)
     layout._row_slot_full = _row_slots(layout, ws[1])
     return h
 
@@ -789,24 +790,11 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
 def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None, trace=None):
     """Layer 1 alone (benchmarks): grouped GEMM + combine -> ``y [T, H]`` (``trace`` as in
     :func:`layer0`, one row per GEMM tile)."""
-    H, F = w2.shape[1], w2.shape[2]
-    ws = _workspace(world, layout, H, h.dtype)
+    ws = _workspace(world, layout, w2.shape[1], h.dtype)
     row_slot = getattr(layout, "_row_slot_full", layout.row_slot)
-    y, _ = _launch_layer1(
-        h,
-        layout,
-        w2,
-        world,
-        b2,
-        topk_weights.contiguous().view(-1),
-        row_slot,
-        ws,
-        k_dim=F,
-        n_out=H,
-        stride_wn=w2.stride(1),
-        stride_wk=w2.stride(2),
-        trace=_check_trace(trace, h.device),
-    )
+    wflat = topk_weights.contiguous().view(-1)
+    trace = _check_trace(trace, h.device)
+    y, _ = _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, trace=trace)
     return y
 
 
