@@ -121,6 +121,34 @@ def _check_features(name: str, value) -> int:
     return value
 
 
+def _setup(mod, world, in_features, out_features, split, dtype, device):
+    """Common constructor part of the parallel linears: checks, sizes, parameter factory.
+    ``split`` names the dimension sharded over ranks; returns (world, its local size, factory)."""
+    world = _resolve_world(world)
+    in_features = _check_features("in_features", in_features)
+    out_features = _check_features("out_features", out_features)
+    W = world.world_size
+    full = in_features if split == "in_features" else out_features
+    if full % W:
+        raise ValueError(f"{split} {full} is not a multiple of world_size {W}")
+    mod.world, mod.in_features, mod.out_features = world, in_features, out_features
+    factory = dict(
+        dtype=dtype or torch.get_default_dtype(),
+        device=torch.device(device) if device is not None else world.device,
+    )
+    return world, full // W, factory
+
+
+def _check_full(weight_full, bias_full):
+    """``(out, in)`` of a full ``nn.Linear`` weight handed to ``from_full``, bias checked."""
+    if not isinstance(weight_full, torch.Tensor) or weight_full.dim() != 2:
+        raise ValueError("weight_full must be a 2-D tensor [out_features, in_features]")
+    out_f, in_f = weight_full.shape
+    if bias_full is not None and tuple(bias_full.shape) != (out_f,):
+        raise ValueError(f"bias_full must have shape ({out_f},), got {tuple(bias_full.shape)}")
+    return out_f, in_f
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x @ W^T + b`` with W's output rows split over ranks: ``weight [out / W, in]``.
 
@@ -144,21 +172,10 @@ class ColumnParallelLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        world = _resolve_world(world)
-        in_features = _check_features("in_features", in_features)
-        out_features = _check_features("out_features", out_features)
-        W = world.world_size
-        if out_features % W:
-            raise ValueError(f"out_features {out_features} is not a multiple of world_size {W}")
-        self.world = world
-        self.in_features = in_features
-        self.out_features = out_features
-        self.out_local = out_features // W
-        self.gather_input = bool(gather_input)
-        factory = dict(
-            dtype=dtype or torch.get_default_dtype(),
-            device=torch.device(device) if device is not None else world.device,
+        world, self.out_local, factory = _setup(
+            self, world, in_features, out_features, "out_features", dtype, device
         )
+        self.gather_input = bool(gather_input)
         self.weight = nn.Parameter(torch.empty(self.out_local, in_features, **factory))
         if bias:
             self.bias = nn.Parameter(torch.zeros(self.out_local, **factory))
@@ -177,9 +194,7 @@ class ColumnParallelLinear(nn.Module):
         """Shard a full ``nn.Linear`` weight ``[out, in]`` (and bias ``[out]``): this rank keeps
         rows ``[r * out / W, (r + 1) * out / W)``. Parameters are copies."""
         world = _resolve_world(world)
-        if not isinstance(weight_full, torch.Tensor) or weight_full.dim() != 2:
-            raise ValueError("weight_full must be a 2-D tensor [out_features, in_features]")
-        out_f, in_f = weight_full.shape
+        out_f, in_f = _check_full(weight_full, bias_full)
         mod = cls(
             in_f,
             out_f,
@@ -193,10 +208,6 @@ class ColumnParallelLinear(nn.Module):
         with torch.no_grad():
             mod.weight.copy_(weight_full[r * n : (r + 1) * n])
             if bias_full is not None:
-                if tuple(bias_full.shape) != (out_f,):
-                    raise ValueError(
-                        f"bias_full must have shape ({out_f},), got {tuple(bias_full.shape)}"
-                    )
                 mod.bias.copy_(bias_full[r * n : (r + 1) * n])
         return mod
 
@@ -250,21 +261,10 @@ class RowParallelLinear(nn.Module):
         device=None,
     ):
         super().__init__()
-        world = _resolve_world(world)
-        in_features = _check_features("in_features", in_features)
-        out_features = _check_features("out_features", out_features)
-        W = world.world_size
-        if in_features % W:
-            raise ValueError(f"in_features {in_features} is not a multiple of world_size {W}")
-        self.world = world
-        self.in_features = in_features
-        self.out_features = out_features
-        self.in_local = in_features // W
-        self.scatter_output = bool(scatter_output)
-        factory = dict(
-            dtype=dtype or torch.get_default_dtype(),
-            device=torch.device(device) if device is not None else world.device,
+        world, self.in_local, factory = _setup(
+            self, world, in_features, out_features, "in_features", dtype, device
         )
+        self.scatter_output = bool(scatter_output)
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local, **factory))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, **factory))
@@ -284,9 +284,7 @@ class RowParallelLinear(nn.Module):
         """Shard a full ``nn.Linear`` weight ``[out, in]``: this rank keeps columns
         ``[r * in / W, (r + 1) * in / W)``; the bias ``[out]`` is replicated. Copies."""
         world = _resolve_world(world)
-        if not isinstance(weight_full, torch.Tensor) or weight_full.dim() != 2:
-            raise ValueError("weight_full must be a 2-D tensor [out_features, in_features]")
-        out_f, in_f = weight_full.shape
+        out_f, in_f = _check_full(weight_full, bias_full)
         mod = cls(
             in_f,
             out_f,
@@ -300,10 +298,6 @@ class RowParallelLinear(nn.Module):
         with torch.no_grad():
             mod.weight.copy_(weight_full[:, r * k : (r + 1) * k])
             if bias_full is not None:
-                if tuple(bias_full.shape) != (out_f,):
-                    raise ValueError(
-                        f"bias_full must have shape ({out_f},), got {tuple(bias_full.shape)}"
-                    )
                 mod.bias.copy_(bias_full)
         return mod
 
