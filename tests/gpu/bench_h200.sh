@@ -12,6 +12,7 @@ if [ -d .whl ]; then  # carried wheels (deepspeed for its baseline), see the dev
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
+export TRITON_CACHE_DIR=$PWD/.tcache  # see run_h200.sh
 export MOE_OVERLAP_CONFIGS=$R/configs.json
 cp moe_overlap/bench/configs.json "$MOE_OVERLAP_CONFIGS"
 step() {  # step SECONDS NAME CMD...: bounded, logged, never fatal
