@@ -138,6 +138,7 @@ from .hybrid import (
     shard_full_weight,
 )
 from .world import interpreted
+from .world.emulated import prefer_eager_module_loading
 
 __all__ = [
     "ModelConfig",
@@ -1165,6 +1166,8 @@ def main(argv=None) -> TrainResult | None:
     """CLI entry point (``examples/train_mixtral.py``)."""
     try:
         mcfg, tcfg = parse_args(argv)
+        if (tcfg.world_size or 1) > 1 and not _under_torchrun():
+            prefer_eager_module_loading(warn=False)  # before CUDA starts: world/emulated.py
         if _under_torchrun() and torch.cuda.is_available():
             res = _train_torchrun(mcfg, tcfg)
         elif _torchrun_world() > 1:

@@ -28,6 +28,9 @@ _WAS_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if COMPILED:
     os.environ.pop("TRITON_INTERPRET", None)
+    # Before anything starts CUDA: concurrent emulated worlds need every kernel loaded up front
+    # (moe_overlap/world/emulated.py, "Lazy module loading").
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 else:
     os.environ["TRITON_INTERPRET"] = "1"
 

@@ -248,3 +248,29 @@ def test_gelu_is_exact_erf():
     got = ref.expert_mlp(h[None], w1, torch.eye(13, dtype=f64), "gelu")[0]
     assert_close(got, F.gelu(h, approximate="none"), rtol=1e-15, atol=1e-15)
     assert (got - F.gelu(h, approximate="tanh")).abs().max() > 1e-6
+
+
+def test_assert_close_baseline_accepts_noise_and_rejects_bugs():
+    g = torch.Generator().manual_seed(5)
+    want = randn((64, 32), torch.float64, generator=g)
+    noise = randn((64, 32), torch.float64, generator=g) * 1e-3
+    outlier = want.clone()
+    outlier[3, 4] += 0.5  # one element far outside the table's bf16 tolerance
+    with pytest.raises(AssertionError, match="1 of 2048 elements differ"):
+        assert_close(outlier, want, dtype=torch.bfloat16)
+    # a baseline just as wrong somewhere else: accepted
+    base = want + noise
+    base[9, 1] -= 0.4
+    assert_close(outlier, want, dtype=torch.bfloat16, baseline=base)
+    # a baseline that is accurate: the outlier is a bug
+    with pytest.raises(AssertionError, match="baseline max abs diff"):
+        assert_close(outlier, want, dtype=torch.bfloat16, baseline=want + noise)
+    # a whole wrong row is more than rounding noise even against a noisy baseline
+    row = want.clone()
+    row[7] = 0.0
+    with pytest.raises(AssertionError, match="allowed 2x"):
+        assert_close(row, want, dtype=torch.bfloat16, baseline=base)
+    nan = want.clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(AssertionError, match="non-finite"):
+        assert_close(nan, want, dtype=torch.bfloat16, baseline=base)

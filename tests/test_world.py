@@ -7,6 +7,7 @@ back from the owner's tensor; host collectives against values every rank can rec
 from __future__ import annotations
 
 import gc
+import os
 import random
 import sys
 import time
@@ -536,3 +537,31 @@ def test_spawn_single_rank_reraises():
 
     with pytest.raises(CommTimeoutError):
         spawn(1, fn)
+
+
+def test_prefer_eager_module_loading(monkeypatch):
+    from moe_overlap.world import emulated
+
+    monkeypatch.setattr(emulated, "_driver_loading_mode", lambda: None)
+    monkeypatch.setattr(emulated.torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    emulated.prefer_eager_module_loading()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    # the user's own choice is kept, with a warning that names the fix
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "LAZY")
+    with pytest.warns(RuntimeWarning, match="CUDA_MODULE_LOADING=EAGER"):
+        emulated.prefer_eager_module_loading()
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"
+    # the driver already started lazily: too late to ask, so warn (or stay quiet on request)
+    monkeypatch.delenv("CUDA_MODULE_LOADING")
+    monkeypatch.setattr(emulated, "_driver_loading_mode", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="lazy CUDA module loading"):
+        emulated.prefer_eager_module_loading()
+    assert "CUDA_MODULE_LOADING" not in os.environ
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        emulated.prefer_eager_module_loading(warn=False)
+        monkeypatch.setattr(emulated, "_driver_loading_mode", lambda: 1)
+        emulated.prefer_eager_module_loading()

@@ -441,6 +441,10 @@ def main(argv=None) -> int:
         # start afresh so the fused kernels can run on the CPU.
         env = dict(os.environ, TRITON_INTERPRET="1", **{_REEXEC_FLAG: "1"})
         os.execve(sys.executable, [sys.executable, "-m", "moe_overlap.bench", *sys.argv[1:]], env)
+    if (getattr(args, "world_size", None) or 1) > 1:
+        from ..world.emulated import prefer_eager_module_loading
+
+        prefer_eager_module_loading(warn=False)  # before CUDA starts: see world/emulated.py
     if args.cmd == "tune":
         return _run_tune(args)
     return _run_bench(args)

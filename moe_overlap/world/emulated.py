@@ -17,15 +17,62 @@ Modes
   thread on one device worker thread, so a host barrier inside a backward node can never be met
   (measured on the H200: two threads, a ``threading.Barrier`` in a custom backward, broke only on
   its timeout). In concurrent mode no op blocks on the host.
+
+Lazy module loading
+-------------------
+CUDA loads a kernel's code at its first launch by default (torch sets
+``CUDA_MODULE_LOADING=LAZY``), and a load can wait for the device's running kernels. Concurrent
+ranks share one device, so a torch kernel met for the first time in one rank's backward (a cuBLAS
+variant for a new shape, on autograd's shared worker thread) waits for another rank's fused
+kernel, which spins for this rank's launch queued behind the load: both sit until the spin
+budget ends (measured on the H200, 2026-12-02: TP and MoE backward steps in concurrent worlds
+failed with ``CommTimeoutError`` in the ready handshake, or ran past 200 s). Our own Triton
+kernels are compiled and loaded before any launch (``warmup_only``), but torch's own kernels
+cannot all be known in advance, so a concurrent world asks for eager loading before CUDA starts
+(``prefer_eager_module_loading``) and warns where CUDA started lazily already.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
+import warnings
 
 import torch
 
 from .base import SymmTensor, World
+
+
+def _driver_loading_mode() -> int | None:
+    """``cuModuleGetLoadingMode``: 1 eager, 2 lazy; None where the driver has not started (the
+    variable is read when it starts) or cannot be asked."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        mode = ctypes.c_int(0)
+        return mode.value if lib.cuModuleGetLoadingMode(ctypes.byref(mode)) == 0 else None
+    except (OSError, AttributeError):
+        return None
+
+
+def prefer_eager_module_loading(warn: bool = True) -> None:
+    """Ask CUDA to load every kernel when a context is made, where the driver has not started
+    yet (see the module docstring); otherwise, if it loads lazily, warn (``warn=True``)."""
+    mode = _driver_loading_mode()
+    if mode == 1:
+        return
+    if mode is None and not torch.cuda.is_initialized():
+        os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+        if os.environ["CUDA_MODULE_LOADING"].upper() == "EAGER":
+            return
+    if warn:
+        warnings.warn(
+            "concurrent emulated ranks on one GPU with lazy CUDA module loading: a torch kernel "
+            "loaded for the first time during backward can stall every rank until the spin "
+            "budget ends (CommTimeoutError). Set CUDA_MODULE_LOADING=EAGER before CUDA starts.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 class _Group:

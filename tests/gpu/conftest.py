@@ -1,5 +1,6 @@
 """GPU test settings (compiled Triton; see tests/conftest.py for the mode switch).
 
+* Eager CUDA module loading is asked for in tests/conftest.py (it must precede CUDA's start).
 * Keeps NVLink multicast off (the lent H200 machines require it; harmless elsewhere).
 * After every test, synchronizes the device so an asynchronous CUDA fault is reported by the
   test that caused it, not by the next one.

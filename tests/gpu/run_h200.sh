@@ -8,7 +8,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v roo
 export PYTHONUNBUFFERED=1 MOE_OVERLAP_COMPILED=1
 if [ -d .whl ]; then  # carried wheels (deepspeed, nvshmem4py), see the device README
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 fi
 # The suite is bound by Triton compiles: keep the kernel cache in the (ignored) .tcache folder,
 # which a warm machine keeps between calls and a later call can carry back in from tcache.tgz.
@@ -30,7 +30,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # grids co-resident. PYTEST_WORKERS=0 runs serially. SIGINT at the limit: pytest still
   # prints which tests failed and why.
   xd=""; n=${PYTEST_WORKERS:-4}
-  [ "$n" != 0 ] && python3 -c "import xdist" 2>/dev/null && xd="-n $n --dist loadfile"
+  [ "$n" != 0 ] && python3 -c "import xdist" 2>/dev/null && xd="-n $n --dist ${PYTEST_DIST:-loadfile}"
   timeout -s INT "${PYTEST_S:-480}" python3 -m pytest -q -rfE --tb=short -m "${PYTEST_M:-gpu or multigpu}" --durations=40 \
     ${PYTEST_ARGS:-tests} -p no:cacheprovider $to $xd --junitxml="$OUT/pytest_gpu.xml" > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest rc=$?"; tail -25 "$OUT/pytest_gpu.log" | cut -c1-300

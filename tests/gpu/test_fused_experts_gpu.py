@@ -123,23 +123,24 @@ def call(lv, ids, world, act, **kw):
     )
 
 
-def reference(prob, device, backward=False):
-    """float64 on ``device``: per-rank y, and grads (per-rank x / weights, global weights)."""
+def reference(prob, device, backward=False, dtype=f64):
+    """On ``device`` in ``dtype`` (float64, or bf16 for the plain-torch baseline): per-rank y,
+    and grads (per-rank x / weights, global weights)."""
     glob = {
-        k: None if v is None else v.to(device, f64).requires_grad_(backward)
+        k: None if v is None else v.to(device, dtype).requires_grad_(backward)
         for k, v in prob["glob"].items()
     }
     ys, xw, loss = [], [], torch.zeros((), dtype=f64, device=device)
     for d in prob["ranks"]:
-        x = d["x"].to(device, f64).requires_grad_(backward)
-        w = d["wts"].to(device, f64).requires_grad_(backward)
+        x = d["x"].to(device, dtype).requires_grad_(backward)
+        w = d["wts"].to(device, dtype).requires_grad_(backward)
         y = ref.experts(
             x, d["ids"].to(device), w, glob["w1"], glob["w2"], prob["act"], glob["b1"], glob["b2"]
         )
         ys.append(y.detach())
         xw.append((x, w))
         if backward:
-            loss = loss + (y * d["gy"].to(device, f64)).sum()
+            loss = loss + (y * d["gy"].to(device, dtype)).sum()
     if not backward:
         return ys, None, None
     inputs = [t for p in xw for t in p] + [v for v in glob.values() if v is not None]
@@ -151,8 +152,19 @@ def reference(prob, device, backward=False):
     return ys, rank_grads, glob_grads
 
 
+def _pick(rank_grads, glob_grads, r, k, sl):
+    if k in rank_grads[r]:
+        return rank_grads[r][k]
+    return None if glob_grads[k] is None else glob_grads[k][sl]
+
+
 def check(prob, got, device, backward=False, tag=""):
+    """Grads: bf16 values summed over many tokens carry rounding noise (and a relu kink can flip
+    on a rounded pre-activation), so an element outside the bf16 tolerance passes only when the
+    tensor is as accurate as bf16 torch autograd on the same problem (see ``assert_close``)."""
     ys, rank_grads, glob_grads = reference(prob, device, backward)
+    if backward:
+        _, base_rank, base_glob = reference(prob, device, backward, dtype=BF16)
     for r, res in enumerate(got):
         y, grads = res if backward else (res, None)
         assert y.dtype == BF16 and y.device.type == "cuda"
@@ -161,14 +173,12 @@ def check(prob, got, device, backward=False, tag=""):
             continue
         sl = slice(r * prob["El"], (r + 1) * prob["El"])
         for k in GRAD_NAMES:
-            if k in rank_grads[r]:
-                want = rank_grads[r][k]
-            elif glob_grads[k] is None:
+            want = _pick(rank_grads, glob_grads, r, k, sl)
+            if want is None:
                 continue
-            else:
-                want = glob_grads[k][sl]
             assert grads[k] is not None, f"{tag} rank {r}: no grad for {k}"
-            assert_close(grads[k], want, dtype=BF16, name=f"{tag} rank {r}: d{k}")
+            base = _pick(base_rank, base_glob, r, k, sl)
+            assert_close(grads[k], want, dtype=BF16, name=f"{tag} rank {r}: d{k}", baseline=base)
 
 
 # ------------------------------------------------------------------------------ forward

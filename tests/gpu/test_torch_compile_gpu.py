@@ -31,7 +31,7 @@ def test_compiled_block_matches_eager_bf16():
     cfg = mo.MoEConfig(
         hidden_size=512, ffn_hidden_size=384, num_experts=8, top_k=2, aux_loss_coef=0.01
     )
-    block = Block(cfg, mo.local_world(device="cuda")).to(torch.bfloat16)
+    block = Block(cfg, mo.local_world(device="cuda")).to("cuda", torch.bfloat16)
     x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     y = block(x)
     y.float().square().mean().backward()

@@ -436,3 +436,11 @@ def test_torch_symm_timeout_path(symm_world):
     # The world recovers: the next op is right.
     y = make_input(0, 1, (17, 33)).cuda()
     assert torch.equal(push_allreduce(y, symm_world), y)
+
+
+def test_gpu_suite_loads_cuda_modules_eagerly():
+    # tests/conftest.py asks before CUDA starts; concurrent emulated worlds rely on it.
+    from moe_overlap.world.emulated import _driver_loading_mode
+
+    torch.cuda.init()
+    assert _driver_loading_mode() == 1, "CUDA loads modules lazily: see world/emulated.py"
