@@ -61,6 +61,14 @@ def spawn(
     errors: list = [None] * world_size
 
     def run(rank):
+        # Backward on this rank's own thread: by default autograd runs every thread's CUDA nodes
+        # on one shared device worker, where any host wait inside one rank's backward (a host
+        # sync in a torch op, a cuBLAS handle made on first use, a barrier) sits in front of
+        # the peer's launch its spinning kernel needs (world/emulated.py, "Backward threads").
+        with torch.autograd.set_multithreading_enabled(False):
+            _run(rank)
+
+    def _run(rank):
         try:
             stream = group.streams[rank] if group.streams is not None else None
             if stream is not None:

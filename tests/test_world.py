@@ -10,6 +10,7 @@ import gc
 import os
 import random
 import sys
+import threading
 import time
 import weakref
 
@@ -565,3 +566,19 @@ def test_prefer_eager_module_loading(monkeypatch):
         emulated.prefer_eager_module_loading(warn=False)
         monkeypatch.setattr(emulated, "_driver_loading_mode", lambda: 1)
         emulated.prefer_eager_module_loading()
+
+
+def test_spawn_runs_each_ranks_backward_on_its_own_thread():
+    # autograd's shared CUDA worker would serialize the ranks' backward host code (see
+    # world/emulated.py, "Backward threads"); spawn turns it off per rank thread.
+    from moe_overlap.testing import spawn
+
+    def fn(world):
+        x = torch.ones(3, requires_grad=True)
+        seen = []
+        x.register_hook(lambda g: seen.append(threading.get_ident()) or g)
+        (x * 2).sum().backward()
+        return torch._C._is_multithreading_enabled(), seen[0] == threading.get_ident()
+
+    assert spawn(2, fn) == [(False, True), (False, True)]
+    assert torch._C._is_multithreading_enabled()

@@ -18,6 +18,18 @@ Modes
   (measured on the H200: two threads, a ``threading.Barrier`` in a custom backward, broke only on
   its timeout). In concurrent mode no op blocks on the host.
 
+Backward threads
+----------------
+Even without host barriers, one shared worker serializes the ranks' backward *host* code: a
+rank whose backward waits on the host after launching a fused kernel (a torch op that syncs its
+stream, a first cuBLAS call on the thread, an allocator free) holds the worker, and the peer
+launch its kernel spins for is queued behind it. Measured on the H200 (2026-12-02): concurrent
+W = 2 TP and MoE backward steps hit ``CommTimeoutError`` (RS owner waits, ready handshakes) or
+ran past 200 s, with eager module loading on. ``testing.spawn`` therefore runs each rank with
+``torch.autograd.set_multithreading_enabled(False)`` (thread-local): autograd runs that rank's
+backward on the rank's own thread, and a host wait delays that rank alone. The ops still avoid
+host barriers in backward, for emulated ranks driven from threads spawn did not make.
+
 Lazy module loading
 -------------------
 CUDA loads a kernel's code at its first launch by default (torch sets

@@ -27,21 +27,37 @@ class Block(torch.nn.Module):
         return x + self.moe(self.norm(x))
 
 
+def _grads(block, x, run=None):
+    """Output and grads of ``(run or block)(x)``; ``run``: a compiled ``block``."""
+    x = x.detach().clone().requires_grad_(True)
+    block.zero_grad()
+    y = (run or block)(x)
+    y.float().square().mean().backward()
+    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    return {"y": y.detach(), "x": x.grad, **grads}
+
+
 def test_compiled_block_matches_eager_bf16():
+    """Compiled bf16 is as accurate as eager bf16, both judged against an fp32 copy of the block:
+    small gradients (the router's, ~1e-5 each) differ by several % between two bf16 runs that
+    merely round differently, so a fixed compiled-vs-eager bound would test rounding luck."""
     cfg = mo.MoEConfig(
         hidden_size=512, ffn_hidden_size=384, num_experts=8, top_k=2, aux_loss_coef=0.01
     )
     block = Block(cfg, mo.local_world(device="cuda")).to("cuda", torch.bfloat16)
-    x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = block(x)
-    y.float().square().mean().backward()
-    gx = x.grad.clone()
-    g = {n: p.grad.clone() for n, p in block.named_parameters()}
-    block.zero_grad()
-    x.grad = None
-    y2 = torch.compile(block, fullgraph=True)(x)
-    y2.float().square().mean().backward()
-    assert rel_error(y2, y) < 1e-2
-    assert rel_error(x.grad, gx) < 2e-2
-    for n, p in block.named_parameters():
-        assert rel_error(p.grad, g[n]) < 3e-2, n
+    # the same seed, upcast: an fp32 twin holding exactly the bf16 block's values
+    ref_block = Block(cfg, mo.local_world(device="cuda")).to("cuda", torch.bfloat16).float()
+    for (n, p), q in zip(block.named_parameters(), ref_block.parameters()):
+        assert torch.equal(p.float(), q), n
+    x = torch.randn(4, 128, 512, device="cuda", dtype=torch.bfloat16)
+    want = _grads(ref_block, x.float())
+    eager = _grads(block, x)
+    compiled = _grads(block, x, torch.compile(block, fullgraph=True))
+    assert compiled.keys() == want.keys()
+    # the yardstick itself must be sound (this also runs the fused kernels in fp32 on the GPU)
+    for k in ("y", "x"):
+        assert rel_error(eager[k], want[k]) < 2e-2, f"eager bf16 {k} far from fp32"
+    for k in want:
+        e_err = rel_error(eager[k], want[k])
+        c_err = rel_error(compiled[k], want[k])
+        assert c_err <= max(2 * e_err, 1e-2), f"{k}: compiled {c_err:.3g} vs eager {e_err:.3g}"

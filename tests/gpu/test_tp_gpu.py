@@ -47,7 +47,7 @@ SLEEP_CYCLES = 50_000_000  # ~25 ms at H200 clocks: far longer than the op itsel
 # Waits may span a peer's first JIT compile of a new variant (measured on the H200: a 10 s
 # budget ran out while the backward variants compiled on autograd's worker thread), so the
 # concurrent tests wait long; they check data, not timeouts.
-WAIT_NS = int(float(os.environ.get("MOE_OVERLAP_TEST_WAIT_S", "120")) * 1e9)
+WAIT_NS = int(float(os.environ.get("MOE_OVERLAP_TEST_WAIT_S", "30")) * 1e9)
 
 
 def _gen(*key) -> torch.Generator:
