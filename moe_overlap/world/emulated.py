@@ -23,25 +23,24 @@ Backward threads
 Even without host barriers, one shared worker serializes the ranks' backward *host* code: a
 rank whose backward waits on the host after launching a fused kernel (a torch op that syncs its
 stream, a first cuBLAS call on the thread, an allocator free) holds the worker, and the peer
-launch its kernel spins for is queued behind it. Measured on the H200 (2026-12-02): concurrent
-W = 2 TP and MoE backward steps hit ``CommTimeoutError`` (RS owner waits, ready handshakes) or
-ran past 200 s, with eager module loading on. ``testing.spawn`` therefore runs each rank with
-``torch.autograd.set_multithreading_enabled(False)`` (thread-local): autograd runs that rank's
-backward on the rank's own thread, and a host wait delays that rank alone. The ops still avoid
-host barriers in backward, for emulated ranks driven from threads spawn did not make.
+launch its kernel spins for is queued behind it. Seen on the H200 (2026-12-02): concurrent
+W = 2 TP and MoE backward steps hit ``CommTimeoutError`` (an RS owner waiting for a peer's
+tiles, ready handshakes) or ran past 200 s, with eager module loading on as well. So
+``testing.spawn`` runs each rank with ``torch.autograd.set_multithreading_enabled(False)``
+(thread-local): autograd runs that rank's backward on the rank's own thread, and a host wait
+delays that rank alone. (Not yet run on the GPU when written.) The ops still avoid host
+barriers in backward, for emulated ranks driven from threads spawn did not make.
 
 Lazy module loading
 -------------------
 CUDA loads a kernel's code at its first launch by default (torch sets
-``CUDA_MODULE_LOADING=LAZY``), and a load can wait for the device's running kernels. Concurrent
-ranks share one device, so a torch kernel met for the first time in one rank's backward (a cuBLAS
-variant for a new shape, on autograd's shared worker thread) waits for another rank's fused
-kernel, which spins for this rank's launch queued behind the load: both sit until the spin
-budget ends (measured on the H200, 2026-12-02: TP and MoE backward steps in concurrent worlds
-failed with ``CommTimeoutError`` in the ready handshake, or ran past 200 s). Our own Triton
-kernels are compiled and loaded before any launch (``warmup_only``), but torch's own kernels
+``CUDA_MODULE_LOADING=LAZY``), and a load can wait for the device's running kernels: a torch
+kernel met for the first time by one rank while a peer's fused kernel spins for that rank's
+launch stalls both until the spin budget ends. Our own Triton kernels are compiled and loaded
+before any launch (``warmup_only``), but torch's own kernels (a cuBLAS variant for a new shape)
 cannot all be known in advance, so a concurrent world asks for eager loading before CUDA starts
-(``prefer_eager_module_loading``) and warns where CUDA started lazily already.
+(``prefer_eager_module_loading``; the GPU suite checks it took effect) and warns where CUDA
+already started lazily.
 """
 
 from __future__ import annotations
