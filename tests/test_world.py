@@ -582,3 +582,29 @@ def test_spawn_runs_each_ranks_backward_on_its_own_thread():
 
     assert spawn(2, fn) == [(False, True), (False, True)]
     assert torch._C._is_multithreading_enabled()
+
+
+def test_dist_collectives_on_a_gloo_group():
+    # The host collectives torch_symm and nvshmem share, on a one-process CPU group.
+    import torch.distributed as dist
+
+    from moe_overlap.world.dist_collectives import DistCollectives
+
+    class Host(DistCollectives):
+        device, world_size = torch.device("cpu"), 1
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        h = Host()
+        h.group = dist.group.WORLD
+        t = torch.arange(4.0)
+        assert h.all_reduce(t) is t and torch.equal(t, torch.arange(4.0))
+        assert h.all_gather_ints([3, -1, 7]) == [[3, -1, 7]]
+        rows = torch.randn(5, 3)
+        (got,) = h.all_to_all([rows])
+        assert torch.equal(got, rows)
+        with pytest.raises(ValueError, match="all_to_all needs 1 tensors"):
+            h.all_to_all([rows, rows])
+    finally:
+        dist.destroy_process_group()

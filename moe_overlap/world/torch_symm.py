@@ -12,9 +12,10 @@ import torch
 import torch.distributed as dist
 
 from .base import SymmTensor, World
+from .dist_collectives import DistCollectives
 
 
-class TorchSymmWorld(World):
+class TorchSymmWorld(DistCollectives, World):
     backend = "torch_symm"
 
     def __init__(self, group=None, seed: int = 0):
@@ -46,25 +47,3 @@ class TorchSymmWorld(World):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
-
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor, group=self.group)
-        return tensor
-
-    def all_gather_ints(self, values) -> list[list[int]]:
-        vals = torch.tensor([int(v) for v in values], dtype=torch.int64, device=self.device)
-        out = torch.empty(self.world_size, vals.numel(), dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(out, vals, group=self.group)
-        return out.cpu().tolist()
-
-    def all_to_all(self, send: list) -> list:
-        if len(send) != self.world_size:
-            raise ValueError(f"all_to_all needs {self.world_size} tensors, got {len(send)}")
-        sizes = torch.tensor([t.shape[0] for t in send], dtype=torch.int64, device=self.device)
-        recv_sizes = torch.empty_like(sizes)
-        dist.all_to_all_single(recv_sizes, sizes, group=self.group)
-        rs = recv_sizes.tolist()
-        inp = torch.cat([t.contiguous() for t in send])
-        out = inp.new_empty((sum(rs), *inp.shape[1:]))
-        dist.all_to_all_single(out, inp, rs, [t.shape[0] for t in send], group=self.group)
-        return list(out.split(rs))
