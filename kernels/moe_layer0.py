@@ -109,6 +109,28 @@ def expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM: tl.constexpr, GROUP_M: 
     return nt, r0, le, rows, rows < end
 
 
+@triton.jit
+def load_b_tile(
+    w_base, w_desc, le, n0, k0, cols, ks, NW, KW, stride_wn, stride_wk, bmask,
+    B_MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """The ``[BK, BN]`` weight tile ``w[le, n0 + j, k0 + i]`` of a grouped GEMM.
+
+    ``B_MODE`` 0: pointer loads (any strides, masked). 1: TMA over the weight viewed as
+    ``[El * NW, K]`` (k contiguous, the forward's layout). 2: TMA over ``[El * KW, N]`` (n
+    contiguous: the backward's transposed use). A tile that runs past its expert's rows reads
+    the next expert's (or TMA's zero fill): in mode 1 only for columns the epilogue masks, in
+    mode 2 only for k past the end, where the A tile is zero.
+    """
+    if B_MODE == 1:
+        b = w_desc.load([le * NW + n0, k0]).T
+    elif B_MODE == 2:
+        b = w_desc.load([le * KW + k0, n0])
+    else:
+        b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bmask, other=0.0)
+    return b
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -131,6 +153,7 @@ def _layer0_kernel(
     flags_local,
     row_scale_ptr,
     w_ptr,
+    w_desc,
     b_ptr,
     out_ptr,
     gu_ptr,
@@ -168,6 +191,7 @@ def _layer0_kernel(
     USE_TIMER: tl.constexpr,
     TRACE: tl.constexpr,
     DACT: tl.constexpr = -1,
+    B_MODE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -247,6 +271,9 @@ def _layer0_kernel(
             cols = nt * BN + tl.arange(0, BN)
             cmask = cols < N
             w_base = w_ptr + le.to(tl.int64) * stride_we
+            NW = N
+            if ACT == 0:
+                NW = 2 * N
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             if ACT == 0:
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -262,15 +289,15 @@ def _layer0_kernel(
                         other=0.0,
                     )
                     bm = cmask[None, :] & (ks[:, None] < H)
-                b = tl.load(
-                    w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bm, other=0.0
+                b = load_b_tile(
+                    w_base, w_desc, le, nt * BN, k0, cols, ks, NW, H, stride_wn, stride_wk, bm,
+                    B_MODE, BN, BK,
                 )
                 acc = tl.dot(a, b, acc)
                 if ACT == 0:
-                    bu = tl.load(
-                        w_base + (cols[None, :] + N) * stride_wn + ks[:, None] * stride_wk,
-                        mask=bm,
-                        other=0.0,
+                    bu = load_b_tile(
+                        w_base, w_desc, le, N + nt * BN, k0, cols + N, ks, NW, H, stride_wn,
+                        stride_wk, bm, B_MODE, BN, BK,
                     )
                     acc_u = tl.dot(a, bu, acc_u)
             if HAS_BIAS:

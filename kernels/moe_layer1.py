@@ -31,7 +31,7 @@ grouped_mm + weighted ``index_add_`` (7.02 ms).
 import triton
 import triton.language as tl
 
-from .moe_layer0 import expert_tile
+from .moe_layer0 import expert_tile, load_b_tile
 from .signals import signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -41,7 +41,9 @@ STAGE_COMBINE = tl.constexpr(5)
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _layer1_gemm_kernel(
     h_ptr,
+    h_desc,
     w_ptr,
+    w_desc,
     b_ptr,
     row_l_ptr,
     exp_end_ptr,
@@ -75,6 +77,9 @@ def _layer1_gemm_kernel(
     GROUP_M: tl.constexpr,
     USE_TIMER: tl.constexpr,
     TRACE: tl.constexpr,
+    A_TMA: tl.constexpr = False,
+    B_MODE: tl.constexpr = 0,
+    FLAT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -88,7 +93,7 @@ def _layer1_gemm_kernel(
     n_m = tl.load(n_tiles_ptr)
     n_n = tl.cdiv(H, BN)
     total = n_m * n_n
-    for t in range(pid, total, nprog):
+    for t in tl.range(pid, total, nprog, flatten=FLAT):
         if TRACE:
             t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
         nt, r0, le, rows, rmask = expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM, GROUP_M)
@@ -99,7 +104,10 @@ def _layer1_gemm_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, F, BK):
             ks = k0 + tl.arange(0, BK)
-            if EVEN_K:
+            if A_TMA:  # rows are independent: padding rows only reach masked outputs
+                a = h_desc.load([r0, k0])
+                bm = cmask[None, :] & (ks[:, None] < F)
+            elif EVEN_K:
                 a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
                 bm = cmask[None, :]
             else:
@@ -107,8 +115,9 @@ def _layer1_gemm_kernel(
                     a_row[:, None] + ks[None, :], mask=rmask[:, None] & (ks[None, :] < F), other=0.0
                 )
                 bm = cmask[None, :] & (ks[:, None] < F)
-            b = tl.load(
-                w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bm, other=0.0
+            b = load_b_tile(
+                w_base, w_desc, le, nt * BN, k0, cols, ks, H, F, stride_wn, stride_wk, bm,
+                B_MODE, BN, BK,
             )
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:

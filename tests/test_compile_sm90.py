@@ -56,14 +56,22 @@ _SCRIPT = textwrap.dedent(
     t0 = types_for(moe_layer0._layer0_kernel, l0_ptrs)
     # forward (SwiGLU, saves gu) and the backward's dispatch GEMM with the SwiGLU / GELU
     # derivative in its epilogue (DACT)
+    # B_MODE (weight tiles): 0 pointer loads, 1 TMA k-contiguous (forward), 2 TMA
+    # n-contiguous (backward); descriptor arguments are None where unused.
+    desc = {1: f"tensordesc<{dt}[128, 64]>", 2: f"tensordesc<{dt}[64, 128]>"}
     variants = ((0, False, -1), (4, True, 0), (4, True, 1))
-    for role, W, (act, scale, dact) in itertools.product((0, 1, 2), (1, 2), variants):
+    for role, W, (act, scale, dact), tma in itertools.product(
+        (0, 1, 2), (1, 2), variants, (False, True)
+    ):
         if W == 1 and role != 0:
             continue
-        build(moe_layer0._layer0_kernel, t0, dict(
+        mode = (2 if scale else 1) if tma else 0
+        types = dict(t0, w_desc=desc.get(mode, "i32"))
+        build(moe_layer0._layer0_kernel, types, dict(
             W=W, El=4, ROLE=role, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
             HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
-            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0, DACT=dact))
+            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0, DACT=dact, B_MODE=mode,
+            **({} if mode else {"w_desc": None})))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",
@@ -72,10 +80,14 @@ _SCRIPT = textwrap.dedent(
         err_ptr="*i64", budget="i64", trace_ptr="*i64",
     )
     t1 = types_for(moe_layer1._layer1_gemm_kernel, l1_ptrs)
-    for W, bias in itertools.product((1, 2), (False, True)):
-        build(moe_layer1._layer1_gemm_kernel, t1, dict(
+    desc1 = {1: f"tensordesc<{dt}[256, 64]>", 2: f"tensordesc<{dt}[64, 256]>"}
+    for W, bias, mode in itertools.product((1, 2), (False, True), (0, 1, 2)):
+        types = dict(t1, h_desc=f"tensordesc<{dt}[128, 64]>", w_desc=desc1.get(mode, "i32"))
+        none = {} if mode else {"h_desc": None, "w_desc": None}
+        build(moe_layer1._layer1_gemm_kernel, types, dict(
             W=W, HAS_BIAS=bias, EVEN_K=True, ES=2, BM=128, BN=256, BK=64, GROUP_M=8,
-            USE_TIMER=True, TRACE=bias))
+            USE_TIMER=True, TRACE=bias, A_TMA=mode > 0, B_MODE=mode,
+            FLAT=W == 1 and mode > 0 and not bias, **none))
         n += 1
     c_ptrs = dict(
         comb_local="*" + dt, slot_of_ptr="*i32", wts_ptr="*fp32", y_ptr="*" + dt,

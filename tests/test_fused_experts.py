@@ -486,6 +486,36 @@ def test_fp16():
         assert got[r][1]["w1"].dtype == torch.float16
 
 
+
+@pytest.mark.parametrize("W", [1, 2])
+def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
+    # 16-byte rows (H = 24, F = 20 in fp32) take the TMA descriptors: the weights k-contiguous
+    # in the forward (mode 1), n-contiguous in the backward (mode 2), layer 1's A rows too, and
+    # the flattened tile loop at W = 1. MOE_OVERLAP_TMA=0 takes pointer loads on the same
+    # problem. Both match the reference; tiles cross expert boundaries (F = 20 > BN = 16).
+    case = Case(W, (9, 6)[:W], 24, 20, 4, 2, "swiglu", True, "zipf", seed=11)
+    prob = make_problem(case)
+    modes = []
+    real = fused._weight_operand
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        modes.append(out[0])
+        return out
+
+    monkeypatch.setattr(fused, "_weight_operand", spy)
+    got = run_fused(prob)
+    check_against_reference(prob, got)
+    assert sorted(set(modes)) == [1, 2], modes
+    modes.clear()
+    monkeypatch.setenv("MOE_OVERLAP_TMA", "0")
+    got_ptr = run_fused(prob)
+    check_against_reference(prob, got_ptr)
+    assert set(modes) == {0}, modes
+    # 13 * 4 bytes per row: no descriptor even with TMA on
+    monkeypatch.delenv("MOE_OVERLAP_TMA")
+    assert fused._weight_operand(torch.zeros(2, 8, 13), 8, 13, 8, 13, 1, 16, 16) == (0, None)
+
 def test_default_world_is_a_local_world():
     case = Case(1, (6,), 13, 7, 3, 2, "swiglu", False, "uniform")
     prob = make_problem(case)

@@ -584,6 +584,25 @@ def test_spawn_runs_each_ranks_backward_on_its_own_thread():
     assert torch._C._is_multithreading_enabled()
 
 
+def test_concurrent_gpu_ranks_meet_before_every_op_in_backward_too():
+    # Lockstep (world/emulated.py): a GPU rank meets its peers before each fused op, in
+    # backward too where the rank runs its own backward, never on autograd's shared worker.
+    from moe_overlap.testing import spawn
+
+    def fn(world):
+        world.device = torch.device("cuda")  # only the decision is asked for, nothing runs
+        seen = [world._needs_load_barrier()]
+        world.in_backward = True
+        seen.append(world._needs_load_barrier())
+        with torch.autograd.set_multithreading_enabled(True):
+            seen.append(world._needs_load_barrier())
+        world.device = torch.device("cpu")
+        seen.append(world._needs_load_barrier())
+        return seen
+
+    assert spawn(2, fn) == [[True, True, False, False]] * 2
+
+
 def test_dist_collectives_on_a_gloo_group():
     # The host collectives torch_symm and nvshmem share, on a one-process CPU group.
     import torch.distributed as dist

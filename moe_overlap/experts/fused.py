@@ -108,6 +108,37 @@ def layer1_config(elem_size: int = 2, pinned=None) -> dict:
     return dict(BM=128, BN=256, BK=64 if elem_size <= 2 else 32, num_warps=8, num_stages=3)
 
 
+def _tma_usable(t: torch.Tensor) -> bool:
+    """Whether ``t`` can be a TMA operand: contiguous, 16-byte aligned base and rows.
+
+    On the GPU only 16-bit operands take TMA (fp32 stays on pointer loads: tf32 tiles there are
+    a test path, and its transposed B would need a layout change wgmma does not take); the
+    interpreter takes every dtype, so the CPU suite covers the descriptor path's indexing.
+    ``MOE_OVERLAP_TMA=0`` turns TMA off everywhere (for bisecting)."""
+    if os.environ.get("MOE_OVERLAP_TMA", "1") == "0" or t.numel() == 0:
+        return False
+    if not interpreted() and (not t.is_cuda or t.element_size() != 2):
+        return False
+    es = t.element_size()
+    return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * es) % 16 == 0
+
+
+def _weight_operand(w, n_rows: int, k_dim: int, n_dim: int, stride_wn, stride_wk, BN, BK):
+    """``(B_MODE, descriptor or None)`` for the weight ``w[l, n, k]`` of a grouped GEMM (see
+    ``kernels.moe_layer0.load_b_tile``). ``n_rows``: rows of ``w[l]`` in the k-contiguous case
+    (N, or 2N for SwiGLU's gate and up halves)."""
+    if w.dim() != 3 or not _tma_usable(w):
+        return 0, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    El = w.shape[0]
+    if stride_wk == 1 and tuple(w.shape[1:]) == (n_rows, k_dim):
+        return 1, TensorDescriptor.from_tensor(w.view(El * n_rows, k_dim), [BN, BK])
+    if stride_wn == 1 and tuple(w.shape[1:]) == (k_dim, n_dim):
+        return 2, TensorDescriptor.from_tensor(w.view(El * k_dim, n_dim), [BK, BN])
+    return 0, None
+
+
 def _programs(world: World, total: int) -> int:
     if interpreted():
         return max(1, min(total, 3))
@@ -269,6 +300,8 @@ def _launch_layer0(
     )
     di = _dummy(device)
     df = _dummy(device, x.dtype)
+    n_rows = 2 * N if act == "swiglu" else N
+    b_mode, w_desc = _weight_operand(w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
     args = dict(
         x_ptr=x,
         scale_ptr=scale if scale is not None else df,
@@ -290,6 +323,7 @@ def _launch_layer0(
         flags_local=flags.local if flags is not None else di,
         row_scale_ptr=row_scale if row_scale is not None else df,
         w_ptr=w,
+        w_desc=w_desc,
         b_ptr=bias if bias is not None else df,
         out_ptr=out,
         gu_ptr=gu if gu is not None else (pre if pre is not None else df),
@@ -326,6 +360,7 @@ def _launch_layer0(
         USE_TIMER=world.use_timer,
         TRACE=trace is not None,
         DACT=ACT_CODES[dact] if dact is not None else -1,
+        B_MODE=b_mode,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -407,6 +442,16 @@ def _launch_layer1(
     n_gemm = _programs(world, total)
     BT = 16 if interpreted() else 32
     n_red = _programs(world, -(-T // BT) * n_n) if T else 0
+    b_mode, w_desc = _weight_operand(w, H, k_dim, H, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
+    h_desc = None
+    if b_mode and _tma_usable(h) and h.shape[1] == k_dim:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        h_desc = TensorDescriptor.from_tensor(h, [BM, cfg["BK"]])
+    # Flattening the tile loop into the K loop overlaps a tile's epilogue with the next tile's
+    # loads: measured on the H200 (tests/gpu/gemm_variants.py) 1.02x / 1.06x grouped_mm on
+    # Mixtral / Qwen3 against 1.02x / 1.00x unflattened; only with TMA operands and one rank.
+    flat = W == 1 and h_desc is not None and trace is None
 
     def launch(role):
         if role in (0, 1):
@@ -414,7 +459,9 @@ def _launch_layer1(
                 _layer1_gemm_kernel,
                 (n_gemm,),
                 h,
+                h_desc,
                 w,
+                w_desc,
                 bias if bias is not None else df,
                 layout.row_local_expert,
                 layout.expert_end,
@@ -448,6 +495,9 @@ def _launch_layer1(
                 GROUP_M=cfg.get("GM", 8),
                 USE_TIMER=world.use_timer,
                 TRACE=trace is not None,
+                A_TMA=h_desc is not None,
+                B_MODE=b_mode,
+                FLAT=flat,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
             )

@@ -28,8 +28,21 @@ W = 2 TP and MoE backward steps hit ``CommTimeoutError`` (an RS owner waiting fo
 tiles, ready handshakes) or ran past 200 s, with eager module loading on as well. So
 ``testing.spawn`` runs each rank with ``torch.autograd.set_multithreading_enabled(False)``
 (thread-local): autograd runs that rank's backward on the rank's own thread, and a host wait
-delays that rank alone. (Not yet run on the GPU when written.) The ops still avoid host
+delays that rank alone. On the H200 that alone did not end the timeouts (see Lockstep). The ops still avoid host
 barriers in backward, for emulated ranks driven from threads spawn did not make.
+
+Lockstep
+--------
+Before every fused op a concurrent world syncs each rank's stream and meets at a host barrier
+(``run_fused``): forward and, on ``spawn``'s per-rank backward threads, backward too. Measured
+on the H200 (2026-12-02) with the per-rank threads but without the barrier in backward: W = 2
+MoE backward still timed out in the ready handshake of the 5th op (rank 0's combine kernel
+spinning for rank 1's epoch while rank 1 sat between two ops: its weight-gradient matmuls and a
+first cuBLAS use on its thread run behind kernels that hold the SMs), and so did the TP
+backward tests. With lockstep, kernels that wait only ever wait on kernels of the same op,
+all launched and co-resident, and every host wait (module loads, allocator calls, cuBLAS
+handles) happens while no kernel spins. The delay hook still runs after the barrier, so waits
+inside an op really wait.
 
 Lazy module loading
 -------------------
@@ -120,9 +133,12 @@ class EmulatedWorld(World):
 
     def _needs_load_barrier(self) -> bool:
         # Concurrent ranks share one device: a lazy kernel load by one thread can wait on
-        # another rank's spinning kernel. Not in backward (no host barrier there): the forward
-        # warms the backward's variants up instead.
-        return self.device.type == "cuda" and self.world_size > 1 and not self.in_backward
+        # another rank's spinning kernel, and so can any host wait between two ops (see
+        # "Lockstep"). In backward a host barrier can meet only where each rank runs its own
+        # backward (``spawn`` does that); on autograd's shared worker it never could.
+        if self.device.type != "cuda" or self.world_size == 1:
+            return False
+        return not self.in_backward or not torch.autograd.is_multithreading_enabled()
 
     @property
     def stream(self):

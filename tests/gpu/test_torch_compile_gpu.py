@@ -28,10 +28,11 @@ class Block(torch.nn.Module):
 
 
 def _grads(block, x, run=None):
-    """Output and grads of ``(run or block)(x)``; ``run``: a compiled ``block``."""
+    """Output and grads of ``run(x)`` (default ``block(x)``); ``run``: a compiled ``block``."""
     x = x.detach().clone().requires_grad_(True)
     block.zero_grad()
-    y = (run or block)(x)
+    # not ``run or block``: truth-testing a compiled module calls ``len()``, which it refuses
+    y = (block if run is None else run)(x)
     y.float().square().mean().backward()
     grads = {n: p.grad.clone() for n, p in block.named_parameters()}
     return {"y": y.detach(), "x": x.grad, **grads}
