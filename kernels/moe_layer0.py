@@ -111,8 +111,21 @@ def expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM: tl.constexpr, GROUP_M: 
 
 @triton.jit
 def load_b_tile(
-    w_base, w_desc, le, n0, k0, cols, ks, NW, KW, stride_wn, stride_wk, bmask,
-    B_MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    w_base,
+    w_desc,
+    le,
+    n0,
+    k0,
+    cols,
+    ks,
+    NW,
+    KW,
+    stride_wn,
+    stride_wk,
+    bmask,
+    B_MODE: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
 ):
     """The ``[BK, BN]`` weight tile ``w[le, n0 + j, k0 + i]`` of a grouped GEMM.
 
@@ -127,7 +140,9 @@ def load_b_tile(
     elif B_MODE == 2:
         b = w_desc.load([le * KW + k0, n0])
     else:
-        b = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bmask, other=0.0)
+        b = tl.load(
+            w_base + cols[None, :] * stride_wn + ks[:, None] * stride_wk, mask=bmask, other=0.0
+        )
     return b
 
 
@@ -290,14 +305,40 @@ def _layer0_kernel(
                     )
                     bm = cmask[None, :] & (ks[:, None] < H)
                 b = load_b_tile(
-                    w_base, w_desc, le, nt * BN, k0, cols, ks, NW, H, stride_wn, stride_wk, bm,
-                    B_MODE, BN, BK,
+                    w_base,
+                    w_desc,
+                    le,
+                    nt * BN,
+                    k0,
+                    cols,
+                    ks,
+                    NW,
+                    H,
+                    stride_wn,
+                    stride_wk,
+                    bm,
+                    B_MODE,
+                    BN,
+                    BK,
                 )
                 acc = tl.dot(a, b, acc)
                 if ACT == 0:
                     bu = load_b_tile(
-                        w_base, w_desc, le, N + nt * BN, k0, cols + N, ks, NW, H, stride_wn,
-                        stride_wk, bm, B_MODE, BN, BK,
+                        w_base,
+                        w_desc,
+                        le,
+                        N + nt * BN,
+                        k0,
+                        cols + N,
+                        ks,
+                        NW,
+                        H,
+                        stride_wn,
+                        stride_wk,
+                        bm,
+                        B_MODE,
+                        BN,
+                        BK,
                     )
                     acc_u = tl.dot(a, bu, acc_u)
             if HAS_BIAS:

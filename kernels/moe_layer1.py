@@ -116,8 +116,21 @@ def _layer1_gemm_kernel(
                 )
                 bm = cmask[None, :] & (ks[:, None] < F)
             b = load_b_tile(
-                w_base, w_desc, le, nt * BN, k0, cols, ks, H, F, stride_wn, stride_wk, bm,
-                B_MODE, BN, BK,
+                w_base,
+                w_desc,
+                le,
+                nt * BN,
+                k0,
+                cols,
+                ks,
+                H,
+                F,
+                stride_wn,
+                stride_wk,
+                bm,
+                B_MODE,
+                BN,
+                BK,
             )
             acc = tl.dot(a, b, acc)
         if HAS_BIAS:

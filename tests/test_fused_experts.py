@@ -486,7 +486,6 @@ def test_fp16():
         assert got[r][1]["w1"].dtype == torch.float16
 
 
-
 @pytest.mark.parametrize("W", [1, 2])
 def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     # 16-byte rows (H = 24, F = 20 in fp32) take the TMA descriptors: the weights k-contiguous
@@ -515,6 +514,7 @@ def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     # 13 * 4 bytes per row: no descriptor even with TMA on
     monkeypatch.delenv("MOE_OVERLAP_TMA")
     assert fused._weight_operand(torch.zeros(2, 8, 13), 8, 13, 8, 13, 1, 16, 16) == (0, None)
+
 
 def test_default_world_is_a_local_world():
     case = Case(1, (6,), 13, 7, 3, 2, "swiglu", False, "uniform")

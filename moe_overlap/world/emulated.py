@@ -28,8 +28,9 @@ W = 2 TP and MoE backward steps hit ``CommTimeoutError`` (an RS owner waiting fo
 tiles, ready handshakes) or ran past 200 s, with eager module loading on as well. So
 ``testing.spawn`` runs each rank with ``torch.autograd.set_multithreading_enabled(False)``
 (thread-local): autograd runs that rank's backward on the rank's own thread, and a host wait
-delays that rank alone. On the H200 that alone did not end the timeouts (see Lockstep). The ops still avoid host
-barriers in backward, for emulated ranks driven from threads spawn did not make.
+delays that rank alone. On the H200 that alone did not end the timeouts (see Lockstep).
+The ops still avoid host barriers in backward, for emulated ranks driven from threads spawn
+did not make.
 
 Lockstep
 --------

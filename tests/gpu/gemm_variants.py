@@ -91,14 +91,18 @@ def _v_kernel(
             if B_TMA:
                 b = w_desc.load([le * NW + nt * BN, k0]).T
             else:
-                b = tl.load(w_base + cols[None, :] * K + ks[:, None], mask=cmask[None, :], other=0.0)
+                b = tl.load(
+                    w_base + cols[None, :] * K + ks[:, None], mask=cmask[None, :], other=0.0
+                )
             acc = tl.dot(a, b, acc)
             if SWIGLU:
                 if B_TMA:
                     bu = w_desc.load([le * NW + N + nt * BN, k0]).T
                 else:
                     bu = tl.load(
-                        w_base + (cols[None, :] + N) * K + ks[:, None], mask=cmask[None, :], other=0.0
+                        w_base + (cols[None, :] + N) * K + ks[:, None],
+                        mask=cmask[None, :],
+                        other=0.0,
                     )
                 acc_u = tl.dot(a, bu, acc_u)
         if SWIGLU:
@@ -150,12 +154,27 @@ def make_problem(T, H, F, E, K, BM, dev, seed=0):
     h_cont = torch.randn(R, F, device=dev, dtype=DT, generator=g)
     h_cont[rt < 0] = 0
     return dict(
-        T=T, H=H, F=F, E=E, K=K, R=R, x=x, w1=w1, w2=w2, row_tok=rt, slot=slot.to(dev),
+        T=T,
+        H=H,
+        F=F,
+        E=E,
+        K=K,
+        R=R,
+        x=x,
+        w1=w1,
+        w2=w2,
+        row_tok=rt,
+        slot=slot.to(dev),
         tile_le=torch.tensor(tile_le, dtype=torch.int32, device=dev),
         exp_end=torch.tensor(exp_end, dtype=torch.int32, device=dev),
-        offs=torch.tensor(offs, dtype=torch.int32, device=dev), n_m=len(tile_le),
-        sorted_x=x[(srt // K).to(dev)], valid=rt >= 0, a_cont=a_cont, h_cont=h_cont,
-        counts=counts, ids=ids,
+        offs=torch.tensor(offs, dtype=torch.int32, device=dev),
+        n_m=len(tile_le),
+        sorted_x=x[(srt // K).to(dev)],
+        valid=rt >= 0,
+        a_cont=a_cont,
+        h_cont=h_cont,
+        counts=counts,
+        ids=ids,
     )
 
 
@@ -180,11 +199,34 @@ def run_variant(p, layer, v):
 
     def fn():
         _v_kernel[grid](
-            a_full, a_desc, row_tok, p["tile_le"], p["exp_end"], p["n_m"], w, w_desc, out,
-            p["slot"], Kd, N, NW, a_full.stride(0), w.stride(0), out.stride(0),
-            SWIGLU=layer == 0, A_TMA=v["A_TMA"], B_TMA=v["B_TMA"], PERSIST=v["PERSIST"],
-            FLAT=v["FLAT"], SCATTER=layer == 1, BM=BM, BN=BN, BK=BK, GROUP_M=v.get("GM", 8),
-            num_warps=v["w"], num_stages=v["s"],
+            a_full,
+            a_desc,
+            row_tok,
+            p["tile_le"],
+            p["exp_end"],
+            p["n_m"],
+            w,
+            w_desc,
+            out,
+            p["slot"],
+            Kd,
+            N,
+            NW,
+            a_full.stride(0),
+            w.stride(0),
+            out.stride(0),
+            SWIGLU=layer == 0,
+            A_TMA=v["A_TMA"],
+            B_TMA=v["B_TMA"],
+            PERSIST=v["PERSIST"],
+            FLAT=v["FLAT"],
+            SCATTER=layer == 1,
+            BM=BM,
+            BN=BN,
+            BK=BK,
+            GROUP_M=v.get("GM", 8),
+            num_warps=v["w"],
+            num_stages=v["s"],
         )
         return out
 
@@ -235,10 +277,15 @@ def main():
     cpu = "--cpu" in sys.argv  # logic check in the interpreter: TRITON_INTERPRET=1, tiny, fp16
     out_dir = os.environ.get("OUT", ".")
     dev = "cpu" if cpu else "cuda"
-    shapes = {"mixtral-8x7b": (16384, 4096, 14336, 8, 2), "qwen3-30b-a3b": (16384, 2048, 768, 128, 8)}
+    shapes = {
+        "mixtral-8x7b": (16384, 4096, 14336, 8, 2),
+        "qwen3-30b-a3b": (16384, 2048, 768, 128, 8),
+    }
     if cpu:
         shapes = {"tiny": (100, 128, 192, 4, 2)}
-    V = lambda **k: dict(dict(A_TMA=False, B_TMA=False, PERSIST=True, FLAT=False, BN=128, BK=64, w=8, s=3), **k)  # noqa: E731
+    V = lambda **k: dict(
+        dict(A_TMA=False, B_TMA=False, PERSIST=True, FLAT=False, BN=128, BK=64, w=8, s=3), **k
+    )  # noqa: E731
     l0 = [
         ("ptrA ptrB persist s3 (=lib)", V()),
         ("ptrA tmaB persist s3", V(B_TMA=True)),
@@ -271,12 +318,21 @@ def main():
             flops = 2 * T * K * H * F * (2 if layer == 0 else 1)
             ref = reference(p, layer)
             t_g = 1.0 if cpu else bench(grouped_mm_fn(p, layer))
-            print(f"{sname} layer{layer} grouped_mm {t_g:.3f} ms {flops / t_g / 1e9:.0f} TFLOP/s", flush=True)
+            print(
+                f"{sname} layer{layer} grouped_mm {t_g:.3f} ms {flops / t_g / 1e9:.0f} TFLOP/s",
+                flush=True,
+            )
             results.append(dict(shape=sname, layer=layer, name="grouped_mm", ms=t_g))
             try:  # the library's own op on the same routing, to calibrate this script
                 t_lib = bench(lib_fn(p, layer))
-                print(f"  {'library layer' + str(layer):34s} {t_lib:.3f} ms {flops / t_lib / 1e9:.0f} TFLOP/s {t_g / t_lib:.3f}x", flush=True)
-                results.append(dict(shape=sname, layer=layer, name="library", ms=t_lib, vs_gmm=t_g / t_lib))
+                print(
+                    f"  {'library layer' + str(layer):34s} {t_lib:.3f} ms "
+                    f"{flops / t_lib / 1e9:.0f} TFLOP/s {t_g / t_lib:.3f}x",
+                    flush=True,
+                )
+                results.append(
+                    dict(shape=sname, layer=layer, name="library", ms=t_lib, vs_gmm=t_g / t_lib)
+                )
             except Exception as e:
                 print(f"  library FAILED {repr(e)[:300]}", flush=True)
             for name, v in variants:
@@ -291,7 +347,11 @@ def main():
                     err = ((o - ref).norm() / ref.norm()).item()
                     t = 1.0 if cpu else bench(fn)
                     r = dict(shape=sname, layer=layer, name=name, ms=t, vs_gmm=t_g / t, err=err)
-                    print(f"  {name:34s} {t:.3f} ms {flops / t / 1e9:.0f} TFLOP/s {t_g / t:.3f}x err {err:.1e}", flush=True)
+                    print(
+                        f"  {name:34s} {t:.3f} ms {flops / t / 1e9:.0f} TFLOP/s "
+                        f"{t_g / t:.3f}x err {err:.1e}",
+                        flush=True,
+                    )
                 except Exception as e:  # one variant failing must not end the experiment
                     r = dict(shape=sname, layer=layer, name=name, error=repr(e)[:300])
                     print(f"  {name:34s} FAILED {repr(e)[:300]}", flush=True)
