@@ -553,3 +553,39 @@ def test_deepspeed_baseline_matches(tmp_path):
         env=dict(os.environ, TRITON_INTERPRET="1"),
     )
     assert r.returncode == 0 and "DEEPSPEED-OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_measure_interleaved_rotates_splits_and_drops_failures():
+    """Rounds give every case its share of the calls, the order rotating; the counts add up
+    to the requested ones; input sets keep rotating; a case that raises is dropped."""
+    log = []
+
+    class FakeCase:
+        def __init__(self, name, fail_at=None):
+            self.name, self.fail_at, self.calls = name, fail_at, []
+
+        def step(self, i):
+            self.calls.append(i)
+            log.append(self.name)
+            if self.fail_at is not None and len(self.calls) > self.fail_at:
+                raise RuntimeError("boom")
+
+    cases = [FakeCase("a"), FakeCase("b"), FakeCase("c", fail_at=4)]
+    world = type("W", (), {"world_size": 1})()  # one rank: no collectives are called
+    timings, failures = Hn.measure_interleaved(
+        cases, torch.device("cpu"), world, ("n", 3), ("n", 7), rounds=3
+    )
+    assert set(timings) == {"a", "b"} and set(failures) == {"c"}
+    assert "RuntimeError: boom" in failures["c"]
+    assert len(timings["a"]["ms"]) == 7 and len(timings["b"]["ms"]) == 7
+    assert cases[0].calls == list(range(10)), "warm-up + timed calls rotate the input sets"
+    # Round order: a b c / b c a / c a b; c raises on its 5th call (round 1), so round 2 is a b.
+    firsts = []
+    for name in log:
+        if not firsts or firsts[-1] != name:
+            firsts.append(name)
+    assert firsts == ["a", "b", "c", "b", "c", "a", "b"], firsts
+    # One timed call asked for: one round has it, the others skip the case.
+    one = FakeCase("one")
+    t, f = Hn.measure_interleaved([one], torch.device("cpu"), world, ("n", 0), ("n", 1), 5)
+    assert not f and len(t["one"]["ms"]) == 1 and one.calls == [0]

@@ -95,6 +95,12 @@ def _add_common(p: argparse.ArgumentParser, dense: bool = False, multi: bool = F
     )
     r.add_argument("--warmup", default="100ms", help="count (10) or duration (100ms)")
     r.add_argument("--rep", default="500ms", help="count (20) or duration (500ms); median")
+    r.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timing rounds: every case gets its share of the calls in each, order rotating",
+    )
     r.add_argument("--sets", type=int, default=None, help="rotating input sets (default: auto)")
     r.add_argument(
         "--baselines",
@@ -253,6 +259,7 @@ def _specs(args, device, dtype, world_size):
                     candidates=_none_list(args.candidates),
                     warmup=parse_amount(args.warmup),
                     rep=parse_amount(args.rep),
+                    rounds=args.rounds,
                     n_sets=args.sets,
                     check=not args.no_check,
                     trace=bool(args.trace),

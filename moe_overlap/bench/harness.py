@@ -9,9 +9,11 @@ Flow of one run (:func:`run`), the same on every rank:
    Every output is compared with every baseline computing the same function (relative error
    ``||a - b|| / ||b||``), so the report can quote the error against the fastest baseline.
    Then the outputs are freed.
-3. Time each case: warm-up, then per-call CUDA events (host clock on the CPU), median of N.
-   ``--warmup``/``--rep`` take counts (``20``) or milliseconds (``100ms``: counts derived from a
-   two-call estimate, at least 5 timed calls). All ranks run the same counts.
+3. Time the cases interleaved (``--rounds``, default 5: each round warms and times every case
+   for its share of the calls, the order rotating), per-call CUDA events (host clock on the
+   CPU), median of all calls. ``--warmup``/``--rep`` take counts (``20``) or milliseconds
+   (``100ms``: counts derived from a two-call estimate, at least 5 timed calls) per case, split
+   over the rounds. All ranks run the same counts.
 4. Metrics: TFLOP/s from the counted FLOPs (:func:`flops_layer0` ...), each candidate's speedup
    over each baseline (``t_baseline / t_candidate``), and with several ranks the effective
    communication time (``candidate - best non-split GEMM``) and, where the communication alone
@@ -123,6 +125,7 @@ class RunSpec:
     candidates: list | None = None  # None: all of the op's
     warmup: tuple = ("ms", 100.0)
     rep: tuple = ("ms", 500.0)
+    rounds: int = 5  # timing rounds, every case in each (see measure_interleaved)
     n_sets: int | None = None
     check: bool = True
     trace: bool = False
@@ -175,7 +178,10 @@ def _cand_layer(p: B.MoEProblem, world, which: str) -> Case:
     )
     s, W = p.shape, world.world_size
     n = len(p.sets)
-    layouts = [dispatch_layout(x.topk_ids_TK, s.experts, world) for x in p.sets]
+    # The tuned config that fused_experts would use for this shape (None when none is pinned).
+    pin_fn = getattr(importlib.import_module("moe_overlap.experts.tuning"), "pinned", None)
+    pin = pin_fn(p.device, p.dtype, s.hidden, s.ffn, s.experts, s.topk) if pin_fn else None
+    layouts = [dispatch_layout(x.topk_ids_TK, s.experts, world, pinned=pin) for x in p.sets]
     infos = B._sorted_info(p, world)
     M = B._M(infos)
     if which == "layer0":
@@ -427,42 +433,108 @@ def _counts(warm, rep, est_ms) -> tuple[int, int]:
     return n_of(warm, 1, 200), max(1, n_of(rep, 5, 1000))
 
 
+def _estimate_ms(step, device, world) -> float:
+    """Mean time of two calls (host clock), the same on every rank (their maximum)."""
+    _sync(device)
+    t0 = time.perf_counter()
+    for i in range(2):
+        step(i)
+    _sync(device)
+    est = (time.perf_counter() - t0) / 2 * 1e3
+    if world.world_size > 1:  # every rank must run the same counts
+        est = max(v[0] for v in world.all_gather_ints([int(est * 1000)])) / 1000
+    return est
+
+
+def _timed_calls(step, device, first: int, n: int) -> dict:
+    """``n`` calls ``step(first + j)``, each between two CUDA events (host clock on the CPU)."""
+    if device.type == "cuda":
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(n)
+        ]
+        for j, (a, b) in enumerate(ev):
+            a.record()
+            step(first + j)
+            b.record()
+        _sync(device)
+        return {"ms": [a.elapsed_time(b) for a, b in ev], "events": ev}
+    ms = []
+    for j in range(n):
+        t = time.perf_counter()
+        step(first + j)
+        ms.append((time.perf_counter() - t) * 1e3)
+    return {"ms": ms}
+
+
 def measure(step, device, world, warm, rep) -> dict:
     """Time ``step(i)``: warm-up, then per-call events (or host clock). Returns raw timings:
     ``{"ms": [...]}`` plus ``{"events": [(start, end), ...]}`` on CUDA."""
     est = 1.0
     if warm[0] == "ms" or rep[0] == "ms":  # durations: counts from a two-call estimate
-        _sync(device)
-        t0 = time.perf_counter()
-        for i in range(2):
-            step(i)
-        _sync(device)
-        est = (time.perf_counter() - t0) / 2 * 1e3
-        if world.world_size > 1:  # every rank must run the same counts
-            est = max(v[0] for v in world.all_gather_ints([int(est * 1000)])) / 1000
+        est = _estimate_ms(step, device, world)
     n_warm, n_rep = _counts(warm, rep, est)
     for i in range(n_warm):
         step(i)
     _sync(device)
     if world.world_size > 1:
         world.barrier()
-    if device.type == "cuda":
-        ev = [
-            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            for _ in range(n_rep)
-        ]
-        for i, (a, b) in enumerate(ev):
-            a.record()
-            step(i)
-            b.record()
-        _sync(device)
-        return {"ms": [a.elapsed_time(b) for a, b in ev], "events": ev}
-    ms = []
-    for i in range(n_rep):
-        t = time.perf_counter()
-        step(i)
-        ms.append((time.perf_counter() - t) * 1e3)
-    return {"ms": ms}
+    return _timed_calls(step, device, 0, n_rep)
+
+
+def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[dict, dict]:
+    """Time every case of ``cases`` (objects with ``name`` and ``step``) in ``rounds`` rounds:
+    each round gives every case its share of the warm-up and of the timed calls, the case order
+    rotating from round to round. A GPU's clock follows its temperature and power draw, so
+    cases timed one after another in a fixed order are not timed under the same conditions
+    (measured on the H200, 2026-12-03: the same fused kernel took 11.0 ms in a short profiled
+    burst and 12.7 ms after a long run of other GEMMs); interleaving spreads that drift over
+    all cases alike. Returns ``(timings, failures)``: ``{name: {"ms": [...], "events": [...]}}``
+    and ``{name: "Type: message"}`` for cases whose timing raised (dropped from later rounds)."""
+    rounds = max(1, int(rounds))
+    plan, failures = {}, {}
+    for c in cases:
+        try:
+            est = 1.0
+            if warm[0] == "ms" or rep[0] == "ms":
+                est = _estimate_ms(c.step, device, world)
+            n_warm, n_rep = _counts(warm, rep, est)
+            plan[c.name] = (n_warm, n_rep)
+        except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
+            failures[c.name] = f"{type(e).__name__}: {e}"
+    live = [c for c in cases if c.name in plan]
+    timings = {c.name: {"ms": [], "events": []} for c in live}
+    calls = dict.fromkeys(plan, 0)  # input sets keep rotating across rounds
+    for r in range(rounds):
+        k = r % len(live) if live else 0
+        for c in live[k:] + live[:k]:
+            if c.name in failures:
+                continue
+            # Round r's share: the counts split as evenly as they go (1 call: round 0 only).
+            n_warm, n_rep = (n // rounds + (r < n % rounds) for n in plan[c.name])
+            if n_rep == 0:
+                continue
+            try:
+                for _ in range(n_warm):
+                    c.step(calls[c.name])
+                    calls[c.name] += 1
+                _sync(device)
+                if world.world_size > 1:
+                    world.barrier()
+                t = _timed_calls(c.step, device, calls[c.name], n_rep)
+                calls[c.name] += n_rep
+                timings[c.name]["ms"] += t["ms"]
+                timings[c.name]["events"] += t.get("events", [])
+            except Exception as e:  # noqa: BLE001
+                failures[c.name] = f"{type(e).__name__}: {e}"
+            if world.world_size > 1:
+                world.barrier()
+    for name in failures:
+        timings.pop(name, None)
+    for t in timings.values():
+        if not t["events"]:
+            t.pop("events")
+    return timings, failures
 
 
 def stats(ms: list) -> dict:
@@ -619,7 +691,7 @@ def run_rank(world, spec: RunSpec) -> dict:
                 status[c.name]["check_note"] = "output layout not comparable"
     outputs.clear()
     status = {n: status[n] for n, _, _ in builders if n in status}
-    # Timing: floors and baselines first, then candidates; checks are not timed.
+    # Timing: interleaved rounds, floors and baselines first in the first; checks not timed.
     order = {"floor": 0, "comm": 1, "baseline": 2, "candidate": 3}
     timings = {}
 
@@ -631,17 +703,17 @@ def run_rank(world, spec: RunSpec) -> dict:
             return ok
         return all(v[0] for v in world.all_gather_ints([int(ok)]))
 
+    timed = []
     for c in sorted((c for c in cases if c.role != "check"), key=lambda c: order[c.role]):
-        if not all_ok(c.name):
-            if status[c.name]["status"] == "ok":
-                status[c.name].update(status="failed", reason="failed on another rank")
-            continue
-        try:
-            timings[c.name] = measure(c.step, spec.device, world, spec.warmup, spec.rep)
-        except Exception as e:  # noqa: BLE001
-            status[c.name].update(status="failed", reason=f"timing: {type(e).__name__}: {e}")
-        if world.world_size > 1:
-            world.barrier()
+        if all_ok(c.name):
+            timed.append(c)
+        elif status[c.name]["status"] == "ok":
+            status[c.name].update(status="failed", reason="failed on another rank")
+    timings, failures = measure_interleaved(
+        timed, spec.device, world, spec.warmup, spec.rep, spec.rounds
+    )
+    for name, why in failures.items():
+        status[name].update(status="failed", reason=f"timing: {why}")
     traces = {}
     if spec.trace:
         from .trace import new_buffer
@@ -850,6 +922,7 @@ def run(spec: RunSpec, world=None) -> dict:
         "kept_rows_per_rank": merged["M"],
         "warmup": list(spec.warmup),
         "rep": list(spec.rep),
+        "rounds": spec.rounds,
         "wall_s": None,
     }
     out.update(metrics(spec, merged))
