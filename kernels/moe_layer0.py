@@ -28,10 +28,11 @@ the ready epoch is published: so a producer can only write into a receive buffer
 has finished the previous op. Stage codes: 1 (ready), 4 (dispatch). A timed-out tile is
 written as NaN and the error record names the flag (``src * El + l``).
 
-Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-02): 13.17 ms,
-585 TFLOP/s: 0.88x ``torch._grouped_mm`` on the same GEMM (11.56 ms) and 1.05x the unfused
-index_select + grouped_mm + SwiGLU pipeline (13.77 ms); with the CLI's rotating inputs 13.93 ms,
-0.84x grouped_mm, 1.03x unfused. Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
+Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-03, TMA weight
+tiles, tuned GROUP_M 16, the CLI's interleaved rotating-input timing): 13.39 ms, 575 TFLOP/s:
+0.884x ``torch._grouped_mm`` on the same GEMM (11.83 ms) and 1.02x the fastest unfused pipeline;
+qwen3-30b-a3b 0.938x, deepseek-v3 0.993x (BENCHMARKS.md). Before TMA (2026-12-02): 0.84x.
+Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
 Compute-bound (7.7 TFLOP vs 3.1 GB moved); the gap is kernel efficiency, not the gather
 (BENCHMARKS.md).
 

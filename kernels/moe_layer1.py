@@ -23,9 +23,11 @@ consumer programs would idle SMs the GEMM needs; issued second on the stream it 
 launch and overlaps the peers' tail instead. The overlap of the combine's *traffic* with the
 GEMM comes from the epilogue's remote stores. Stage codes: 1 (ready), 5 (combine).
 
-Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-02): GEMM +
-combine 6.69 ms, 575 TFLOP/s: 0.98x ``torch._grouped_mm`` on the same GEMM (6.53 ms) and 1.05x
-grouped_mm + weighted ``index_add_`` (7.02 ms).
+Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-03, TMA A and B
+tiles, flattened tile loop, the CLI's interleaved rotating-input timing): GEMM + combine
+5.83 ms, 660 TFLOP/s: 1.013x ``torch._grouped_mm`` on the same GEMM alone (5.91 ms) and 1.18x
+the fastest unfused pipeline; qwen3-30b-a3b 0.874x (its combine kernel is ~27% of the time at
+H 2048, K 8), deepseek-v3 1.065x (BENCHMARKS.md).
 """
 
 import triton
