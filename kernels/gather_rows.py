@@ -59,12 +59,19 @@ def gather_rows(
     recv_RH: torch.Tensor | None = None,
     row_scale_R: torch.Tensor | None = None,
     interpreted: bool = False,
+    out_RH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out [R, H]`` (dtype of x): ``x[tok] * scale`` for local rows, ``recv`` rows for -1,
     zeros for padding. ``row_tok_R`` int32; ``recv_RH`` at least R rows, row-major;
-    ``row_scale_R`` fp32 or None."""
+    ``row_scale_R`` fp32 or None; ``out_RH``: where to write (``[R, H]``, x's dtype, rows
+    contiguous), else a new tensor."""
     R, H = row_tok_R.shape[0], x_TH.shape[1]
-    out = torch.empty(R, H, dtype=x_TH.dtype, device=x_TH.device)
+    if out_RH is None:
+        out = torch.empty(R, H, dtype=x_TH.dtype, device=x_TH.device)
+    else:
+        if tuple(out_RH.shape) != (R, H) or out_RH.dtype != x_TH.dtype or out_RH.stride(1) != 1:
+            raise ValueError(f"out_RH must be [{R}, {H}] {x_TH.dtype} with contiguous rows")
+        out = out_RH
     if R == 0 or H == 0:
         return out
     if x_TH.shape[0] == 0:  # no local rows: any valid pointer will do, every load is masked

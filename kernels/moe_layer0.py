@@ -170,6 +170,7 @@ def _layer0_kernel(
     row_scale_ptr,
     w_ptr,
     w_desc,
+    a_desc,
     b_ptr,
     out_ptr,
     gu_ptr,
@@ -208,6 +209,8 @@ def _layer0_kernel(
     TRACE: tl.constexpr,
     DACT: tl.constexpr = -1,
     B_MODE: tl.constexpr = 0,
+    A_TMA: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -256,7 +259,7 @@ def _layer0_kernel(
         n_m = tl.load(n_tiles_ptr)
         n_n = tl.cdiv(N, BN)
         total = n_m * n_n
-        for t in range(cpid, total, cprog):
+        for t in tl.range(cpid, total, cprog, flatten=FLAT):
             if TRACE:
                 t_start = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
             nt, r0, le, rows, rmask = expert_tile(t, n_m, n_n, row_l_ptr, exp_end_ptr, BM, GROUP_M)
@@ -295,7 +298,10 @@ def _layer0_kernel(
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, H, BK):
                 ks = k0 + tl.arange(0, BK)
-                if EVEN_K:
+                if A_TMA:  # staged rows (one rank): padding rows only reach masked outputs
+                    a = a_desc.load([r0, k0])
+                    bm = cmask[None, :] & (ks[:, None] < H)
+                elif EVEN_K:
                     a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
                     bm = cmask[None, :]
                 else:

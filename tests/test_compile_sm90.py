@@ -71,7 +71,18 @@ _SCRIPT = textwrap.dedent(
             W=W, El=4, ROLE=role, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
             HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
             BH=128, GROUP_M=8, USE_TIMER=True, TRACE=role == 0, DACT=dact, B_MODE=mode,
-            **({} if mode else {"w_desc": None})))
+            a_desc=None, A_TMA=False, FLAT=False, **({} if mode else {"w_desc": None})))
+        n += 1
+    # One rank: A rows staged contiguously and loaded by TMA, tile loop flattened (no trace)
+    # or not (trace on)
+    for (act, scale, dact), flat in itertools.product(variants, (True, False)):
+        mode = 2 if scale else 1
+        types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
+        build(moe_layer0._layer0_kernel, types, dict(
+            W=1, El=4, ROLE=0, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
+            HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
+            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact, B_MODE=mode,
+            A_TMA=True, FLAT=flat))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",

@@ -490,27 +490,40 @@ def test_fp16():
 def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     # 16-byte rows (H = 24, F = 20 in fp32) take the TMA descriptors: the weights k-contiguous
     # in the forward (mode 1), n-contiguous in the backward (mode 2), layer 1's A rows too, and
-    # the flattened tile loop at W = 1. MOE_OVERLAP_TMA=0 takes pointer loads on the same
-    # problem. Both match the reference; tiles cross expert boundaries (F = 20 > BN = 16).
+    # the flattened tile loops at W = 1, where layer 0's A rows are staged contiguously and
+    # loaded by TMA too (forward and the backward's dispatch GEMM; H = 24 is not a multiple of
+    # BK = 16, so the last K tile reads past the rows: TMA's zero fill). MOE_OVERLAP_TMA=0
+    # takes pointer loads on the same problem. Both match the reference; tiles cross expert
+    # boundaries (F = 20 > BN = 16); zipf routing leaves experts empty.
     case = Case(W, (9, 6)[:W], 24, 20, 4, 2, "swiglu", True, "zipf", seed=11)
     prob = make_problem(case)
-    modes = []
-    real = fused._weight_operand
+    modes, staged = [], []
+    real, real_staged = fused._weight_operand, fused._staged_rows_desc
 
     def spy(*a, **k):
         out = real(*a, **k)
         modes.append(out[0])
         return out
 
+    def spy_staged(*a, **k):
+        out = real_staged(*a, **k)
+        staged.append(out is not None)
+        return out
+
     monkeypatch.setattr(fused, "_weight_operand", spy)
+    monkeypatch.setattr(fused, "_staged_rows_desc", spy_staged)
     got = run_fused(prob)
     check_against_reference(prob, got)
     assert sorted(set(modes)) == [1, 2], modes
+    # W = 1: forward and backward layer 0 both staged; W = 2: never asked
+    assert staged == ([True, True] if W == 1 else []), staged
     modes.clear()
+    staged.clear()
     monkeypatch.setenv("MOE_OVERLAP_TMA", "0")
     got_ptr = run_fused(prob)
     check_against_reference(prob, got_ptr)
     assert set(modes) == {0}, modes
+    assert staged == [], staged
     # 13 * 4 bytes per row: no descriptor even with TMA on
     monkeypatch.delenv("MOE_OVERLAP_TMA")
     assert fused._weight_operand(torch.zeros(2, 8, 13), 8, 13, 8, 13, 1, 16, 16) == (0, None)

@@ -251,6 +251,7 @@ def _launch_layer0(
     trace=None,
     dact=None,
     pre=None,
+    a_rows=None,
 ):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
@@ -259,6 +260,10 @@ def _launch_layer0(
     ``dact`` (backward; ``act`` must be "none"): the epilogue multiplies by the derivative of
     that activation at the saved pre-activations ``pre [R, 2N or N]``, and ``out`` is then
     ``d pre`` (``[R, 2N]`` for SwiGLU), zero on padding rows.
+
+    One rank with a TMA weight operand: the rows are staged contiguously (``a_rows [R, H]``
+    when the caller already gathered them, else into the workspace's receive buffer) and the
+    GEMM loads A by TMA, since Hopper's TMA cannot gather rows itself.
     """
     device = x.device
     W = world.world_size
@@ -302,6 +307,12 @@ def _launch_layer0(
     df = _dummy(device, x.dtype)
     n_rows = 2 * N if act == "swiglu" else N
     b_mode, w_desc = _weight_operand(w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
+    a_desc = (
+        _staged_rows_desc(x, layout, recv, a_rows, BM, cfg["BK"]) if W == 1 and b_mode else None
+    )
+    # Flattening the tile loop into the K loop (as layer 1 does): MOE_OVERLAP_L0_FLAT=0 turns
+    # it off for bisecting.
+    flat = a_desc is not None and trace is None and os.environ.get("MOE_OVERLAP_L0_FLAT") != "0"
     args = dict(
         x_ptr=x,
         scale_ptr=scale if scale is not None else df,
@@ -324,6 +335,7 @@ def _launch_layer0(
         row_scale_ptr=row_scale if row_scale is not None else df,
         w_ptr=w,
         w_desc=w_desc,
+        a_desc=a_desc,
         b_ptr=bias if bias is not None else df,
         out_ptr=out,
         gu_ptr=gu if gu is not None else (pre if pre is not None else df),
@@ -361,6 +373,8 @@ def _launch_layer0(
         TRACE=trace is not None,
         DACT=ACT_CODES[dact] if dact is not None else -1,
         B_MODE=b_mode,
+        A_TMA=a_desc is not None,
+        FLAT=flat,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -377,6 +391,27 @@ def _launch_layer0(
         with launch_lock():
             launch(0)
     return out, gu
+
+
+def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
+    """One rank: a TMA descriptor over layer 0's A rows ``[R, H]`` in receive order (zeros on
+    padding rows), or None where TMA does not apply. ``a_rows``: the rows already gathered
+    (the training forward keeps them for the wgrad), else they are gathered into the
+    workspace's receive buffer, which one rank does not otherwise use."""
+    R, H = layout.rows_cap, x.shape[1]
+    if R == 0 or not _tma_usable(x):
+        return None
+    if a_rows is None:
+        buf = recv.local[:R]
+        if buf.shape[1] != H or buf.dtype != x.dtype:
+            return None
+        with launch_lock():
+            a_rows = gather_rows(x, layout.row_tok, None, None, interpreted(), out_RH=buf)
+    if not _tma_usable(a_rows) or tuple(a_rows.shape) != (R, H):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(a_rows, [BM, BK])
 
 
 def _row_slots(layout: Layout, slot) -> torch.Tensor:
@@ -629,7 +664,7 @@ def _forward_impl(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad)
 
 
-def _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=False, trace=None):
+def _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=False, trace=None, a_rows=None):
     """Forward layer 0 (dispatch + GEMM + activation) -> ``(h [R, F], gu or None)``; shared by
     :func:`fused_experts` and the public :func:`layer0`."""
     F = w1.shape[1] // 2 if activation == "swiglu" else w1.shape[1]
@@ -646,6 +681,7 @@ def _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=False, trace=N
         stride_wk=w1.stride(2),
         stage_ws=ws,
         trace=trace,
+        a_rows=a_rows,
     )
 
 
@@ -672,10 +708,13 @@ def _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=False, tra
 
 def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
     ws = _workspace(world, layout, x.shape[1], x.dtype)
-    h, gu = _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=need_grad)
+    # One rank: the rows wgrad needs are gathered first and are layer 0's (TMA) A operand too.
+    x_rows = _gather_rows(layout, x, ws[0]) if need_grad and world.world_size == 1 else None
+    h, gu = _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=need_grad, a_rows=x_rows)
     row_slot = _row_slots(layout, ws[1])
-    # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
-    x_rows = _gather_rows(layout, x, ws[0]) if need_grad else None
+    if need_grad and x_rows is None:
+        # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
+        x_rows = _gather_rows(layout, x, ws[0])
     wflat = topk_weights.contiguous().view(-1)
     y, o = _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=need_grad)
     saved = None
