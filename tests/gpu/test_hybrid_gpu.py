@@ -78,15 +78,6 @@ def _bf16_rounded(t: torch.Tensor) -> torch.Tensor:
     return t.to(BF16).double()
 
 
-@pytest.mark.parametrize(
-    "W,S,B,delayed",
-    [
-        (1, 48, 3, None),
-        (2, 64, 2, 0),
-        (2, 64, 2, 1),
-        (4, 128, 1, 2),
-    ],
-)
 def _bf16_torch(x, weights, topks, loss_fn):
     """The same block(s) in plain bf16 torch autograd on the GPU (same routing): the rounding
     noise a correct bf16 result may carry (``assert_close(..., baseline=)``). Returns the
@@ -103,6 +94,15 @@ def _bf16_torch(x, weights, topks, loss_fn):
     return h.detach().float().cpu(), xb.grad.float().cpu(), grads
 
 
+@pytest.mark.parametrize(
+    "W,S,B,delayed",
+    [
+        (1, 48, 3, None),
+        (2, 64, 2, 0),
+        (2, 64, 2, 1),
+        (4, 128, 1, 2),
+    ],
+)
 def test_block_bf16_matches_reference(W, S, B, delayed):
     gen = _gen("hybrid-gpu", W, S, B)
     w = _full_weights(gen)
