@@ -32,6 +32,9 @@ Measured (one H200, bf16, Mixtral-8x7B shape, 16k tokens top-2, EP=1, 2026-12-03
 tiles, tuned GROUP_M 16, the CLI's interleaved rotating-input timing): 13.39 ms, 575 TFLOP/s:
 0.884x ``torch._grouped_mm`` on the same GEMM (11.83 ms) and 1.02x the fastest unfused pipeline;
 qwen3-30b-a3b 0.938x, deepseek-v3 0.993x (BENCHMARKS.md). Before TMA (2026-12-02): 0.84x.
+With the A rows staged contiguously at one rank and loaded by TMA (``A_TMA``, same day):
+12.16 ms, 633 TFLOP/s, 1.000x grouped_mm; qwen3 0.907x, deepseek-v3 1.064x. Flattening the
+tile loop into the K loop (``FLAT``, a win for layer 1) cost it: 0.779x.
 Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
 Compute-bound (7.7 TFLOP vs 3.1 GB moved); the gap is kernel efficiency, not the gather
 (BENCHMARKS.md).
