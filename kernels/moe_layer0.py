@@ -150,6 +150,28 @@ def load_b_tile(
     return b
 
 
+@triton.jit
+def load_a_tile(
+    a_row, a_desc, r0, k0, ks, rmask, cmask, K, A_TMA: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """The ``[BM, BK]`` A tile at rows ``r0 ...`` and columns ``ks`` of a grouped GEMM, and the
+    weight tile's mask. ``A_TMA``: contiguous rows through the descriptor (rows are
+    independent, so padding rows only reach masked outputs; columns past K read TMA's zero
+    fill); else pointer loads from the row pointers ``a_row [BM]``."""
+    if A_TMA:
+        a = a_desc.load([r0, k0])
+        bm = cmask[None, :] & (ks[:, None] < K)
+    elif EVEN_K:
+        a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
+        bm = cmask[None, :]
+    else:
+        a = tl.load(
+            a_row[:, None] + ks[None, :], mask=rmask[:, None] & (ks[None, :] < K), other=0.0
+        )
+        bm = cmask[None, :] & (ks[:, None] < K)
+    return a, bm
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -301,19 +323,7 @@ def _layer0_kernel(
                 acc_u = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, H, BK):
                 ks = k0 + tl.arange(0, BK)
-                if A_TMA:  # staged rows (one rank): padding rows only reach masked outputs
-                    a = a_desc.load([r0, k0])
-                    bm = cmask[None, :] & (ks[:, None] < H)
-                elif EVEN_K:
-                    a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
-                    bm = cmask[None, :]
-                else:
-                    a = tl.load(
-                        a_row[:, None] + ks[None, :],
-                        mask=rmask[:, None] & (ks[None, :] < H),
-                        other=0.0,
-                    )
-                    bm = cmask[None, :] & (ks[:, None] < H)
+                a, bm = load_a_tile(a_row, a_desc, r0, k0, ks, rmask, cmask, H, A_TMA, EVEN_K)
                 b = load_b_tile(
                     w_base,
                     w_desc,

@@ -33,7 +33,7 @@ H 2048, K 8), deepseek-v3 1.065x (BENCHMARKS.md).
 import triton
 import triton.language as tl
 
-from .moe_layer0 import expert_tile, load_b_tile
+from .moe_layer0 import expert_tile, load_a_tile, load_b_tile
 from .signals import signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -106,17 +106,7 @@ def _layer1_gemm_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, F, BK):
             ks = k0 + tl.arange(0, BK)
-            if A_TMA:  # rows are independent: padding rows only reach masked outputs
-                a = h_desc.load([r0, k0])
-                bm = cmask[None, :] & (ks[:, None] < F)
-            elif EVEN_K:
-                a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
-                bm = cmask[None, :]
-            else:
-                a = tl.load(
-                    a_row[:, None] + ks[None, :], mask=rmask[:, None] & (ks[None, :] < F), other=0.0
-                )
-                bm = cmask[None, :] & (ks[:, None] < F)
+            a, bm = load_a_tile(a_row, h_desc, r0, k0, ks, rmask, cmask, F, A_TMA, EVEN_K)
             b = load_b_tile(
                 w_base,
                 w_desc,

@@ -467,21 +467,6 @@ def _timed_calls(step, device, first: int, n: int) -> dict:
     return {"ms": ms}
 
 
-def measure(step, device, world, warm, rep) -> dict:
-    """Time ``step(i)``: warm-up, then per-call events (or host clock). Returns raw timings:
-    ``{"ms": [...]}`` plus ``{"events": [(start, end), ...]}`` on CUDA."""
-    est = 1.0
-    if warm[0] == "ms" or rep[0] == "ms":  # durations: counts from a two-call estimate
-        est = _estimate_ms(step, device, world)
-    n_warm, n_rep = _counts(warm, rep, est)
-    for i in range(n_warm):
-        step(i)
-    _sync(device)
-    if world.world_size > 1:
-        world.barrier()
-    return _timed_calls(step, device, 0, n_rep)
-
-
 def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[dict, dict]:
     """Time every case of ``cases`` (objects with ``name`` and ``step``) in ``rounds`` rounds:
     each round gives every case its share of the warm-up and of the timed calls, the case order
