@@ -41,9 +41,10 @@ Protocol (rank r)
 * GEMM: claims tiles in rank-rotated order: all tiles of block r (local, no wait), then block
   r + 1, ... Tile (b, i, j) of a remote block waits for flag ``b * n_mb + i`` (bounded,
   stage 6), then runs the K loop with fp32 accumulation. A timed-out tile stores NaN.
-  With ``SAVE_A`` the ``j == 0`` tile of each M-tile also writes its A rows into an ordinary
-  ``[M, K]`` tensor: autograd keeps the gathered input for the weight gradient without a second
-  gather (the workspace is reused by the next op).
+  With ``SAVE_A`` the ``j == 0`` tile of each M-tile also writes its A rows (a load pass of
+  its own before the K loop, see the kernel) into an ordinary ``[M, K]`` tensor: autograd
+  keeps the gathered input for the weight gradient without a second gather (the workspace is
+  reused by the next op).
 * ``DO_GEMM = False`` is a plain AllGather: one tile per M-tile, only the A copy-out.
 
 Roles: ``ROLE_BOTH`` (real worlds, emulated concurrent): the first ``n_copiers`` programs to run
@@ -252,25 +253,38 @@ def _ag_matmul_kernel(
                 a_base = x_ptr
             save = jn == 0
             if ok:
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
-                for k0 in range(0, K, BK):
-                    ks = k0 + tl.arange(0, BK)
-                    kmask = ks < K
-                    amask = rmask[:, None] & kmask[None, :]
-                    a = tl.load(
-                        a_base + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=amask, other=0.0
-                    )
-                    if SAVE_A:
-                        if save:
+                if SAVE_A:
+                    # A pass of its own, not a store of the GEMM's A operand: storing the tile
+                    # that also feeds tl.dot gave wrong GEMM results on the H200 (Triton 3.6:
+                    # bf16 BM 64 / 4 warps, fp32 8 warps; 2026-12-03, tests/gpu/test_tp_gpu.py
+                    # hybrid shapes). The reload hits L2, once per M-tile.
+                    if save:
+                        for k0 in range(0, K, BK):
+                            ks = k0 + tl.arange(0, BK)
+                            amask = rmask[:, None] & (ks < K)[None, :]
+                            a = tl.load(
+                                a_base + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                                mask=amask,
+                                other=0.0,
+                            )
                             tl.store(gout_ptr + grows[:, None] * K + ks[None, :], a, mask=amask)
-                    if DO_GEMM:
+                if DO_GEMM:
+                    acc = tl.zeros((BM, BN), dtype=tl.float32)
+                    for k0 in range(0, K, BK):
+                        ks = k0 + tl.arange(0, BK)
+                        kmask = ks < K
+                        amask = rmask[:, None] & kmask[None, :]
+                        a = tl.load(
+                            a_base + rows.to(tl.int64)[:, None] * K + ks[None, :],
+                            mask=amask,
+                            other=0.0,
+                        )
                         bt = tl.load(
                             w_ptr + cols[None, :] * swn + ks[:, None] * swk,
                             mask=kmask[:, None] & cmask[None, :],
                             other=0.0,
                         )
                         acc = tl.dot(a, bt, acc)
-                if DO_GEMM:
                     if HAS_BIAS:
                         bias = tl.load(bias_ptr + cols, mask=cmask, other=0.0)
                         acc += bias.to(tl.float32)[None, :]

@@ -55,6 +55,8 @@ Traps found
 import triton
 import triton.language as tl
 
+from .nvshmem_device import quiet
+from .put import SIGNAL_ADD, put_signal, wait_arrival
 from .signals import peer_ptr, signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -172,6 +174,113 @@ def load_a_tile(
     return a, bm
 
 
+@triton.jit
+def _copy_rows(x_ptr, scale_ptr, a, m, K_top, stride_xt, out_base, orow, H, HAS_SCALE, BH):
+    """Rows ``x[a // K_top]`` (times ``scale[a]``) -> ``out_base[orow]`` (``[*, H]`` rows)."""
+    dtype = x_ptr.dtype.element_ty
+    tok = (a // K_top).to(tl.int64)
+    if HAS_SCALE:
+        sc = tl.load(scale_ptr + a, mask=m, other=0.0).to(tl.float32)
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        mk = m[:, None] & (cols[None, :] < H)
+        v = tl.load(x_ptr + tok[:, None] * stride_xt + cols[None, :], mask=mk)
+        if HAS_SCALE:
+            v = (v.to(tl.float32) * sc[:, None]).to(dtype)
+        tl.store(out_base + orow[:, None] * H + cols[None, :], v, mask=mk)
+
+
+@triton.jit
+def _store_chunk(
+    x_ptr,
+    scale_ptr,
+    a,
+    m,
+    ri,
+    j0,
+    n,
+    row0,
+    fl,
+    recv_table,
+    slot_table,
+    flag_table,
+    dst,
+    H,
+    K_top,
+    stride_xt,
+    HAS_SCALE: tl.constexpr,
+    BH: tl.constexpr,
+):
+    """Store path: rows and slots straight into ``dst``'s receive buffer, then its counter."""
+    recv_d = peer_ptr(recv_table, dst, x_ptr.dtype.element_ty)
+    drow = (row0 + ri).to(tl.int64)
+    _copy_rows(x_ptr, scale_ptr, a, m, K_top, stride_xt, recv_d, drow, H, HAS_SCALE, BH)
+    slot_d = peer_ptr(slot_table, dst, tl.int32)
+    tl.store(slot_d + drow, j0 + ri, mask=m)
+    signal_add(peer_ptr(flag_table, dst, tl.int32) + fl, n)
+
+
+@triton.jit
+def _put_chunk(
+    x_ptr,
+    scale_ptr,
+    a,
+    m,
+    ri,
+    j0,
+    n,
+    row0,
+    fl,
+    recv_table,
+    slot_table,
+    sig_table,
+    stage_rows,
+    stage_slots,
+    rank,
+    dst,
+    H,
+    K_top,
+    stride_xt,
+    slot_sig0,
+    HAS_SCALE: tl.constexpr,
+    BH: tl.constexpr,
+    USE_NVSHMEM: tl.constexpr,
+):
+    """Put path: rows and slots into this rank's staging (by assignment index, unique per
+    destination), then two puts with two counters, rows at word ``fl`` and slots at
+    ``slot_sig0 + fl``: each signal covers exactly its own data, so no fence orders them."""
+    jrow = (j0 + ri).to(tl.int64)
+    _copy_rows(x_ptr, scale_ptr, a, m, K_top, stride_xt, stage_rows, jrow, H, HAS_SCALE, BH)
+    tl.store(stage_slots + jrow, j0 + ri, mask=m)
+    es = H * (x_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    put_signal(
+        recv_table,
+        row0.to(tl.int64) * es,
+        stage_rows + j0.to(tl.int64) * H,
+        n * es,
+        sig_table,
+        fl,
+        n,
+        rank,
+        dst,
+        SIGNAL_ADD,
+        USE_NVSHMEM,
+    )
+    put_signal(
+        slot_table,
+        row0.to(tl.int64) * 4,
+        stage_slots + j0,
+        n * 4,
+        sig_table,
+        slot_sig0 + fl,
+        n,
+        rank,
+        dst,
+        SIGNAL_ADD,
+        USE_NVSHMEM,
+    )
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -236,10 +345,16 @@ def _layer0_kernel(
     B_MODE: tl.constexpr = 0,
     A_TMA: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    put_mask_ptr=None,
+    sig_local=None,
+    sig_table=None,
+    stage_rows=None,
+    stage_slots=None,
+    PUT: tl.constexpr = False,
+    USE_NVSHMEM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    dtype = x_ptr.dtype.element_ty
     is_comm = (ROLE == 1) | ((ROLE == 0) & (pid < n_comm))
     if is_comm:
         epoch = tl.load(epoch_ptr)
@@ -260,21 +375,77 @@ def _layer0_kernel(
                 ri = tl.arange(0, CH)
                 m = ri < n
                 a = tl.load(sorted_ptr + j0 + ri, mask=m, other=0)
-                tok = (a // K_top).to(tl.int64)
-                recv_d = peer_ptr(recv_table, dst, dtype)
-                drow = (row0 + ri).to(tl.int64)
-                if HAS_SCALE:
-                    sc = tl.load(scale_ptr + a, mask=m, other=0.0).to(tl.float32)
-                for h0 in range(0, H, BH):
-                    cols = h0 + tl.arange(0, BH)
-                    mk = m[:, None] & (cols[None, :] < H)
-                    v = tl.load(x_ptr + tok[:, None] * stride_xt + cols[None, :], mask=mk)
-                    if HAS_SCALE:
-                        v = (v.to(tl.float32) * sc[:, None]).to(dtype)
-                    tl.store(recv_d + drow[:, None] * H + cols[None, :], v, mask=mk)
-                slot_d = peer_ptr(slot_table, dst, tl.int32)
-                tl.store(slot_d + drow, j0 + ri, mask=m)
-                signal_add(peer_ptr(flag_table, dst, tl.int32) + fl, n)
+                if PUT:
+                    if tl.load(put_mask_ptr + dst) != 0:
+                        _put_chunk(
+                            x_ptr,
+                            scale_ptr,
+                            a,
+                            m,
+                            ri,
+                            j0,
+                            n,
+                            row0,
+                            fl,
+                            recv_table,
+                            slot_table,
+                            sig_table,
+                            stage_rows,
+                            stage_slots,
+                            rank,
+                            dst,
+                            H,
+                            K_top,
+                            stride_xt,
+                            W * El,
+                            HAS_SCALE,
+                            BH,
+                            USE_NVSHMEM,
+                        )
+                    else:
+                        _store_chunk(
+                            x_ptr,
+                            scale_ptr,
+                            a,
+                            m,
+                            ri,
+                            j0,
+                            n,
+                            row0,
+                            fl,
+                            recv_table,
+                            slot_table,
+                            flag_table,
+                            dst,
+                            H,
+                            K_top,
+                            stride_xt,
+                            HAS_SCALE,
+                            BH,
+                        )
+                else:
+                    _store_chunk(
+                        x_ptr,
+                        scale_ptr,
+                        a,
+                        m,
+                        ri,
+                        j0,
+                        n,
+                        row0,
+                        fl,
+                        recv_table,
+                        slot_table,
+                        flag_table,
+                        dst,
+                        H,
+                        K_top,
+                        stride_xt,
+                        HAS_SCALE,
+                        BH,
+                    )
+        if USE_NVSHMEM:
+            quiet()  # the staging rows may be reused by the next op only once delivered
     else:
         cpid = pid
         cprog = nprog
@@ -295,17 +466,52 @@ def _layer0_kernel(
                     cnt = tl.load(slice_cnt_ptr + s * El + le)
                     need = (s != rank) & (cnt > 0) & (off < r0 + BM) & (off + cnt > r0)
                     if need:
-                        ok = wait_geq(
-                            flags_local + s * El + le,
-                            cnt,
-                            err_ptr,
-                            rank,
-                            STAGE_DISPATCH,
-                            s * El + le,
-                            budget,
-                            USE_TIMER,
-                        )
-                        nbad += tl.where(ok, 0, 1)
+                        if PUT:
+                            by_put = tl.load(put_mask_ptr + s) != 0
+                            sig_p = sig_local + s * El + le
+                            ok = wait_arrival(
+                                flags_local + s * El + le,
+                                sig_p,
+                                by_put,
+                                cnt,
+                                err_ptr,
+                                rank,
+                                STAGE_DISPATCH,
+                                s * El + le,
+                                budget,
+                                USE_TIMER,
+                                PUT,
+                                USE_NVSHMEM,
+                            )
+                            nbad += tl.where(ok, 0, 1)
+                            if by_put:  # the rows' slots travel as a second put
+                                ok = wait_arrival(
+                                    flags_local,
+                                    sig_p + W * El,
+                                    by_put,
+                                    cnt,
+                                    err_ptr,
+                                    rank,
+                                    STAGE_DISPATCH,
+                                    W * El + s * El + le,
+                                    budget,
+                                    USE_TIMER,
+                                    PUT,
+                                    USE_NVSHMEM,
+                                )
+                                nbad += tl.where(ok, 0, 1)
+                        else:
+                            ok = wait_geq(
+                                flags_local + s * El + le,
+                                cnt,
+                                err_ptr,
+                                rank,
+                                STAGE_DISPATCH,
+                                s * El + le,
+                                budget,
+                                USE_TIMER,
+                            )
+                            nbad += tl.where(ok, 0, 1)
             if TRACE:
                 t_wait = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
             tok = tl.load(row_tok_ptr + rows, mask=rmask, other=-2)

@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 
 from .moe_layer0 import expert_tile, load_a_tile, load_b_tile
+from .nvshmem_device import quiet
+from .put import SIGNAL_ADD, put_signal, wait_sum_geq
 from .signals import signal_add, trace_clock, trace_record, wait_geq
 
 STAGE_READY = tl.constexpr(1)
@@ -82,6 +84,11 @@ def _layer1_gemm_kernel(
     A_TMA: tl.constexpr = False,
     B_MODE: tl.constexpr = 0,
     FLAT: tl.constexpr = False,
+    put_mask_ptr=None,
+    sig_table=None,
+    stage_out=None,
+    PUT: tl.constexpr = False,
+    USE_NVSHMEM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -136,17 +143,49 @@ def _layer1_gemm_kernel(
         else:
             src = tl.load(row_src_ptr + rows, mask=rmask, other=0)
             if nbad == 0:
-                base = tl.load(comb_table + src, mask=rmask, other=0)
+                smask = rmask
+                if PUT:
+                    pm = tl.load(put_mask_ptr + src, mask=rmask, other=0)
+                    smask = rmask & (pm == 0)
+                    # Rows for sources on other nodes: staged here in receive-row order, then
+                    # one put per row segment (the destination row is H wide, the tile BN).
+                    pmask = (rmask & (pm != 0))[:, None] & cmask[None, :]
+                    tl.store(stage_out + rows[:, None] * H + cols[None, :], val, mask=pmask)
+                base = tl.load(comb_table + src, mask=smask, other=0)
                 addr = base[:, None] + (slot[:, None] * H + cols[None, :]) * ES
-                tl.store(addr.to(tl.pointer_type(dtype)), val, mask=omask)
+                tl.store(addr.to(tl.pointer_type(dtype)), val, mask=smask[:, None] & cmask[None, :])
                 for s in range(W):
-                    ns = tl.sum(tl.where(rmask & (src == s), 1, 0))
+                    ns = tl.sum(tl.where(smask & (src == s), 1, 0))
                     if ns > 0:
                         signal_add(tl.load(done_table + s).to(tl.pointer_type(tl.int32)) + nt, ns)
+                if PUT:
+                    end = tl.load(exp_end_ptr + le)
+                    ncol = tl.minimum(BN, H - nt * BN)
+                    for i in range(0, BM):
+                        r = r0 + i
+                        if r < end:
+                            sr = tl.load(row_src_ptr + r)
+                            if tl.load(put_mask_ptr + sr) != 0:
+                                sl = tl.load(row_slot_ptr + r).to(tl.int64)
+                                put_signal(
+                                    comb_table,
+                                    (sl * H + nt * BN) * ES,
+                                    stage_out + r.to(tl.int64) * H + nt * BN,
+                                    ncol * ES,
+                                    sig_table,
+                                    nt,
+                                    1,
+                                    rank,
+                                    sr,
+                                    SIGNAL_ADD,
+                                    USE_NVSHMEM,
+                                )
         if TRACE:
             # The GEMM tile never waits (its ready waits happen once, before the loop).
             t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
             trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_start, t_end)
+    if USE_NVSHMEM:
+        quiet()  # the staged rows may be reused by the next op only once delivered
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])
@@ -171,6 +210,9 @@ def _combine_kernel(
     BT: tl.constexpr,
     BN: tl.constexpr,
     USE_TIMER: tl.constexpr,
+    sig_local=None,
+    PUT: tl.constexpr = False,
+    USE_NVSHMEM: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -186,9 +228,23 @@ def _combine_kernel(
         cmask = cols < H
         bad = tl.zeros((), tl.int32)
         if W > 1:
-            ok = wait_geq(
-                done_local + nt, need, err_ptr, rank, STAGE_COMBINE, nt, budget, USE_TIMER
-            )
+            if PUT:  # rows arrive by stores (int32 counter) and by puts (int64 counter)
+                ok = wait_sum_geq(
+                    done_local + nt,
+                    sig_local + nt,
+                    need,
+                    err_ptr,
+                    rank,
+                    STAGE_COMBINE,
+                    nt,
+                    budget,
+                    USE_TIMER,
+                    USE_NVSHMEM,
+                )
+            else:
+                ok = wait_geq(
+                    done_local + nt, need, err_ptr, rank, STAGE_COMBINE, nt, budget, USE_TIMER
+                )
             bad = tl.where(ok, 0, 1)
         acc = tl.zeros((BT, BN), dtype=tl.float32)
         for k in range(0, K_top):

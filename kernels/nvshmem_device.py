@@ -24,19 +24,23 @@ table entry: it is 0 for a peer that is not load/store reachable.
 
 Transport contract (what a fused kernel does per destination ``d``, see ``world/topology.py``)
 -----------------------------------------------------------------------------------------------
-``base = tl.load(table + d)``; ``base != 0``: store the tile at ``base + off`` and publish its
-int32 flag with ``signals.signal_set`` (release, sys scope) as today. ``base == 0``: store the
-tile into this rank's own symmetric staging slot (the put source must be symmetric memory: the
-world's workspace), ``tl.debug_barrier()`` (every warp's stores are in the slot), then
-``putmem_signal_nbi_block(table[rank] + off, staging, nbytes, sig_table[rank] + 8 * i, value,
-SIGNAL_SET, d)``. The consumer waits on its local 64-bit signal with :func:`wait_signal_geq`.
-Both paths keep one flag per tile. The ready handshake (``publish_ready``) uses stores for
-reachable peers and ``int32_atomic_set`` for the others, so the int32 ready slots stay as they are.
+The choice reads ``World.put_mask[d]`` (1 = put), which for this world is exactly the 0 entries
+of the peer table. Store path: store the tile at ``table[d] + off`` and publish its int32 flag
+with ``signals.signal_set`` / ``signal_add`` (release, sys scope). Put path
+(``kernels/put.py``, used by the MoE ops): store the tile into this rank's own symmetric staging
+slot (the put source must be symmetric memory: the world's workspace), ``tl.debug_barrier()``
+(every warp's stores are in the slot), then ``putmem_signal_nbi_block(table[rank] + off,
+staging, nbytes, sig_table[rank] + 8 * i, value, SIG_OP, d)``: one call per signalled piece, so
+no fence is needed. The consumer waits on its local 64-bit signal with :func:`wait_signal_geq`,
+and programs that put end with ``quiet()`` so staging is never reused before delivery. The ready
+handshake (``publish_ready``) uses stores for reachable peers and ``int32_atomic_set`` for the
+others, so the int32 ready slots stay as they are.
 
 Flag contract for puts
 ----------------------
-* NVSHMEM signals are 64-bit words (``uint64_t``), 8-byte aligned, in symmetric memory. Carve them
-  as int64 from the workspace; never alias them with the int32 flags of the store path.
+* NVSHMEM signals are 64-bit words (``uint64_t``), 8-byte aligned, in symmetric memory. The MoE
+  ops carve them as int64 after their int32 flags in the signal pad
+  (``World.begin_op_signals``, zeroed by the owner at the op start); never alias the two.
 * Signal ops: ``SIGNAL_SET = 9``, ``SIGNAL_ADD = 10`` (``nvshmemx_signal_op_t`` in the NVSHMEM
   headers and nvshmem4py's ``bindings.Signal_op``). Some public code passes 0 and 5, which
   NVSHMEM does not treat as SET/ADD: a flag that never arrives, not an error.

@@ -26,6 +26,9 @@ _SCRIPT = textwrap.dedent(
 
     def build(fn, types, consts, warps=8, stages=3):
         names = fn.arg_names
+        # constexpr parameters left out take their defaults (PUT, USE_NVSHMEM, ...)
+        consts = dict({p.name: p.default for p in fn.params if p.is_constexpr and p.has_default},
+                      **consts)
         sig, cx = {}, {}
         for i, n in enumerate(names):
             if n in consts:
@@ -119,6 +122,56 @@ _SCRIPT = textwrap.dedent(
         build(moe_counts._count_exchange_kernel, tk, dict(W=2, ROLE=role, BE=16,
                                                            USE_TIMER=True), warps=4, stages=2)
         n += 1
+    # Put path (kernels/put.py): emulated copies compile to a cubin; the NVSHMEM calls lower to
+    # PTX that names them (linking needs libnvshmem_device.bc: tests/test_nvshmem.py).
+    put = dict(put_mask_ptr="*i32", sig_local="*i64", sig_table="*i64",
+               stage_rows="*" + dt, stage_slots="*i32", stage_out="*" + dt)
+
+    class _Stop(Exception):
+        pass
+
+    def stop_at_ptx(*args):
+        if not args:
+            return ("moe_overlap_stop_at_ptx", "1")
+        def stop(src, metadata):
+            raise _Stop(src)
+        args[1]["cubin"] = stop
+
+    def build_put(fn, types, consts, nv, **kw):
+        types = dict(types, **{k: v for k, v in put.items() if k in fn.arg_names})
+        consts = dict(consts, PUT=True, USE_NVSHMEM=nv)
+        if not nv:
+            return build(fn, types, consts, **kw)
+        triton.knobs.runtime.add_stages_inspection_hook = stop_at_ptx
+        try:
+            build(fn, types, consts, **kw)
+        except _Stop as e:
+            want = ("nvshmem_signal_wait_until" if fn is moe_layer1._combine_kernel
+                    else "nvshmemx_putmem_signal_nbi_block")
+            assert want in e.args[0], (fn, want)
+        else:
+            raise AssertionError("expected to stop at PTX")
+        finally:
+            triton.knobs.runtime.add_stages_inspection_hook = None
+
+    for nv in (False, True):
+        for role in (0,):  # both roles' code (the role split is a runtime branch)
+            build_put(moe_layer0._layer0_kernel, dict(t0, w_desc=desc[1]), dict(
+                W=2, El=4, ROLE=role, ACT=0, HAS_BIAS=False, SAVE_GU=True, HAS_SCALE=False,
+                ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128,
+                GROUP_M=8, USE_TIMER=True, TRACE=False, DACT=-1, B_MODE=1, a_desc=None,
+                A_TMA=False, FLAT=False), nv)
+            build_put(moe_counts._count_exchange_kernel, tk, dict(
+                W=2, ROLE=role, BE=16, USE_TIMER=True), nv, warps=4, stages=2)
+            n += 2
+        build_put(moe_layer1._layer1_gemm_kernel, dict(
+            t1, h_desc=f"tensordesc<{dt}[128, 64]>", w_desc=desc1[1]), dict(
+            W=2, HAS_BIAS=True, EVEN_K=True, ES=2, BM=128, BN=256, BK=64, GROUP_M=8,
+            USE_TIMER=True, TRACE=False, A_TMA=True, B_MODE=1, FLAT=False), nv)
+        build_put(moe_layer1._combine_kernel, tc, dict(
+            W=2, HAS_W=True, SAVE_O=True, BT=32, BN=256, USE_TIMER=True), nv, warps=4,
+            stages=2)
+        n += 2
     g_ptrs = dict(x_ptr="*" + dt, recv_ptr="*" + dt, tok_ptr="*i32", scale_ptr="*fp32",
                   out_ptr="*" + dt)
     tg = types_for(gather_rows._gather_rows_kernel, g_ptrs)

@@ -91,9 +91,23 @@ def exchange_counts(counts: torch.Tensor, world: World) -> torch.Tensor:
     off = plan.add((W, E), torch.int32)
     ws = world.workspace(plan.total)
     buf = ws.view(off, (W, E), torch.int32)
-    flags = world.begin_op(W)
+    sig = None
+    if world.has_puts:
+        flags, sig = world.begin_op_signals(W, W)
+    else:
+        flags = world.begin_op(W)
     pad_local, epoch = world.ready_args()
     out = torch.empty(W, E, dtype=torch.int32, device=counts.device)
+    put = (
+        dict(
+            sig_local=sig.local,
+            sig_table=sig.ptrs,
+            put_mask=world.put_mask,
+            use_nvshmem=world.uses_nvshmem,
+        )
+        if sig is not None
+        else {}
+    )
 
     def launch(role):
         launch_count_exchange(
@@ -111,6 +125,7 @@ def exchange_counts(counts: torch.Tensor, world: World) -> torch.Tensor:
             world.wait_budget,
             role,
             world.use_timer,
+            **put,
         )
 
     world.run_fused(launch)

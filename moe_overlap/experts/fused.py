@@ -35,6 +35,7 @@ so emulated ranks on one GPU can run it in the concurrent mode.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -44,7 +45,7 @@ from ..kernels.launch import launch as _launch
 from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
-from ..world import WorkspacePlan, World, interpreted, launch_lock
+from ..world import SymmTensor, WorkspacePlan, World, interpreted, launch_lock
 from . import tuning
 from .checks import check_expert_args
 from .tuning import tune  # noqa: F401 - the bench CLI's tuning hook
@@ -173,16 +174,52 @@ def check_ids_on_device(topk_ids, E):
 
 
 # ------------------------------------------------------------------------------- plans
-def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype):
+class _Stage(NamedTuple):
+    """The MoE ops' regions of the world's workspace (symmetric, same offsets on every rank).
+
+    ``recv [R, H]`` / ``slot [R]``: layer 0's receive rows and their source slots; ``comb [S,
+    H]``: layer 1's rows back at their source, by slot. Where some peer takes puts
+    (``World.has_puts``) also the put sources: ``put_rows [S, H]`` / ``put_slots [S]`` (layer 0,
+    by assignment) and ``put_out [R, H]`` (layer 1, by receive row); else None."""
+
+    recv: SymmTensor
+    slot: SymmTensor
+    comb: SymmTensor
+    put_rows: SymmTensor | None = None
+    put_slots: SymmTensor | None = None
+    put_out: SymmTensor | None = None
+
+
+def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype) -> _Stage:
+    R, S = layout.rows_cap_max, layout.slots_cap_max
     plan = WorkspacePlan()
-    o_recv = plan.add((layout.rows_cap_max, H), dtype)
-    o_slot = plan.add((layout.rows_cap_max,), torch.int32)
-    o_comb = plan.add((layout.slots_cap_max, H), dtype)
+    shapes = [((R, H), dtype), ((R,), torch.int32), ((S, H), dtype)]
+    if world.has_puts:
+        shapes += [((S, H), dtype), ((S,), torch.int32), ((R, H), dtype)]
+    offs = [plan.add(shape, dt) for shape, dt in shapes]
     ws = world.workspace(plan.total)
-    recv = ws.view(o_recv, (layout.rows_cap_max, H), dtype)
-    slot = ws.view(o_slot, (layout.rows_cap_max,), torch.int32)
-    comb = ws.view(o_comb, (layout.slots_cap_max, H), dtype)
-    return recv, slot, comb
+    return _Stage(*(ws.view(o, shape, dt) for o, (shape, dt) in zip(offs, shapes)))
+
+
+def _put_args(world: World, sig, stage: _Stage, layer: int) -> dict:
+    """The put-path kernel arguments of layer 0 or 1 (empty dict: store path only)."""
+    if sig is None:
+        return {}
+    args = dict(put_mask_ptr=world.put_mask, PUT=True, USE_NVSHMEM=world.uses_nvshmem)
+    if layer == 0:
+        args.update(
+            sig_local=sig.local,
+            sig_table=sig.ptrs,
+            stage_rows=stage.put_rows.local,
+            stage_slots=stage.put_slots.local,
+        )
+    else:
+        args.update(sig_table=sig.ptrs, stage_out=stage.put_out.local)
+    if world.uses_nvshmem:
+        from ..kernels.nvshmem_device import compile_options
+
+        args.update(compile_options())
+    return args
 
 
 def dispatch_layout(
@@ -283,10 +320,14 @@ def _launch_layer0(
     gu = None
     if save_gu:
         gu = torch.empty(R, 2 * N if act == "swiglu" else N, dtype=x.dtype, device=device)
-    recv, slot, _ = stage_ws
-    flags = None
+    recv, slot = stage_ws.recv, stage_ws.slot
+    flags = sig = None
     if W > 1:
-        flags = world.begin_op(W * layout.local_experts)
+        El = layout.local_experts
+        if world.has_puts:  # int64 counters: rows, then slots, per (source, local expert)
+            flags, sig = world.begin_op_signals(W * El, 2 * W * El)
+        else:
+            flags = world.begin_op(W * El)
         pad_local, epoch = world.ready_args()
     else:
         pad_local = epoch = _dummy(device)
@@ -378,6 +419,7 @@ def _launch_layer0(
         FLAT=flat,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **_put_args(world, sig, stage_ws, 0),
     )
 
     def launch(role):
@@ -457,7 +499,7 @@ def _launch_layer1(
     BM = layout.block_m
     T, K = layout.num_tokens, layout.top_k
     H = n_out
-    _, _, comb = stage_ws
+    comb = stage_ws.comb
     if W == 1:
         comb_local = torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device)
         comb_table = _dummy(device, torch.int64)
@@ -466,9 +508,12 @@ def _launch_layer1(
     y = torch.empty(T, H, dtype=h.dtype, device=device)
     o = torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device) if save_o else None
     n_n = -(-H // cfg["BN"])
-    flags = None
+    flags = sig = None
     if W > 1:
-        flags = world.begin_op(n_n)
+        if world.has_puts:  # int64 counters of the rows that come back by puts
+            flags, sig = world.begin_op_signals(n_n, n_n)
+        else:
+            flags = world.begin_op(n_n)
         pad_local, epoch = world.ready_args()
     else:
         pad_local = epoch = _dummy(device)
@@ -488,6 +533,11 @@ def _launch_layer1(
     # loads: measured on the H200 (tests/gpu/gemm_variants.py) 1.02x / 1.06x grouped_mm on
     # Mixtral / Qwen3 against 1.02x / 1.00x unflattened; only with TMA operands and one rank.
     flat = W == 1 and h_desc is not None and trace is None
+    put1 = _put_args(world, sig, stage_ws, 1)
+    red_put = {}
+    if put1:
+        red_put = dict(sig_local=sig.local, PUT=True, USE_NVSHMEM=put1["USE_NVSHMEM"])
+        red_put.update({k: v for k, v in put1.items() if k == "extern_libs"})
 
     def launch(role):
         if role in (0, 1):
@@ -536,6 +586,7 @@ def _launch_layer1(
                 FLAT=flat,
                 num_warps=cfg["num_warps"],
                 num_stages=cfg["num_stages"],
+                **put1,
             )
         if role in (0, 2) and n_red:
             _launch(
@@ -562,6 +613,7 @@ def _launch_layer1(
                 BN=cfg["BN"],
                 USE_TIMER=world.use_timer,
                 num_warps=4,
+                **red_put,
             )
 
     if W > 1:
@@ -710,12 +762,12 @@ def _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=False, tra
 def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad):
     ws = _workspace(world, layout, x.shape[1], x.dtype)
     # One rank: the rows wgrad needs are gathered first and are layer 0's (TMA) A operand too.
-    x_rows = _gather_rows(layout, x, ws[0]) if need_grad and world.world_size == 1 else None
+    x_rows = _gather_rows(layout, x, ws.recv) if need_grad and world.world_size == 1 else None
     h, gu = _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=need_grad, a_rows=x_rows)
-    row_slot = _row_slots(layout, ws[1])
+    row_slot = _row_slots(layout, ws.slot)
     if need_grad and x_rows is None:
         # The receive buffer is workspace (reused by the next op): copy the rows wgrad needs now.
-        x_rows = _gather_rows(layout, x, ws[0])
+        x_rows = _gather_rows(layout, x, ws.recv)
     wflat = topk_weights.contiguous().view(-1)
     y, o = _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=need_grad)
     saved = None
@@ -819,7 +871,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
     # Padding rows are zero in g_rows (gathered) and in h (layer 0's epilogue writes them): the
     # grouped wgrad can take whole padded expert ranges without a masking pass.
-    g_rows = _gather_rows(layout, dy, ws[0], row_scale=row_scale)
+    g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
     d_w2 = _grouped_wgrad(g_rows, h, layout, w2.dtype, world)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
 
@@ -873,7 +925,7 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
     ws = _workspace(world, layout, x.shape[1], x.dtype)
     trace = _check_trace(trace, x.device)
     h, _ = _fwd_layer0(x.contiguous(), layout, w1, world, activation, b1, ws, trace=trace)
-    layout._row_slot_full = _row_slots(layout, ws[1])
+    layout._row_slot_full = _row_slots(layout, ws.slot)
     return h
 
 

@@ -235,11 +235,54 @@ class World(TopologyMixin):
             self.barrier()
         return self._pad.view(0, (self._pad.local.numel() // 4,), torch.int32)
 
+    # ----------------------------------------------------------------- transports
+    @property
+    def has_puts(self) -> bool:
+        """True when some peer is reachable only by puts (another node; see ``topology``)."""
+        return not all(self.peer_reachable(r) for r in range(self.world_size))
+
+    @property
+    def uses_nvshmem(self) -> bool:
+        """True when the put path runs NVSHMEM's device library (kernels compile with
+        ``nvshmem_device.compile_options()``); False where puts are emulated by copies."""
+        return False
+
+    @property
+    def put_mask(self) -> torch.Tensor:
+        """int32 ``[W]`` on the device: 1 where this rank moves data to that rank by puts."""
+        key = tuple(not self.peer_reachable(r) for r in range(self.world_size))
+        cached = self.__dict__.get("_put_mask")
+        if cached is None or cached[0] != key:
+            t = torch.tensor([int(k) for k in key], dtype=torch.int32, device=self.device)
+            cached = (key, t)
+            self.__dict__["_put_mask"] = cached
+        return cached[1]
+
     # ----------------------------------------------------------------- op protocol
+    def begin_op_signals(self, nflags: int, nsig: int) -> tuple[SymmTensor, SymmTensor]:
+        """``begin_op`` for an op with a put path: ``nflags`` int32 flags plus ``nsig`` int64
+        signal words (the put path's arrival counters), both zeroed by their owner here.
+
+        The signal words follow the flags in the op's slice of the pad (256-byte aligned) and
+        never alias them (``kernels/put.py``)."""
+        n32 = -(-max(int(nflags), 1) // (_ALIGN // 4)) * (_ALIGN // 4)
+        flags = self.begin_op(n32 + 2 * max(int(nsig), 1), puts=True)
+        sig = flags.view(n32 * 4, (max(int(nsig), 1),), torch.int64)
+        return flags.view(0, (max(int(nflags), 1),), torch.int32), sig
+
     def begin_op(self, nflags: int, puts: bool = False) -> SymmTensor:
-        """Reset this op's flags, publish readiness; returns the op flags (after ready slots)."""
+        """Reset this op's flags, publish readiness; returns the op flags (after ready slots).
+
+        ``puts``: the op has a put path (``kernels/put.py``). An op without one refuses a world
+        where some peer is reachable only by puts: its stores would go nowhere."""
         from ..kernels.launch import warming_up
 
+        if not puts and self.has_puts:
+            far = [r for r in range(self.world_size) if not self.peer_reachable(r)]
+            raise RuntimeError(
+                f"rank {self.rank}: ranks {far} are on other nodes (reachable only by puts) and "
+                "this op has no put path: run it within one node"
+            )
         pad = self.signal_pad(nflags)
         flags = pad.view(READY_SLOTS * 4, (max(nflags, 1),), torch.int32)
         if warming_up():  # an earlier op's kernels may still wait on these flags

@@ -66,7 +66,10 @@ handshake's put path needs ``World.begin_op`` to publish through the ``_publish_
 Ops with put paths announce it: ``begin_op(nflags, puts=True)``. ``begin_op`` of an op without
 one raises a clear error on a world with unreachable peers (a store through a 0 table entry
 would fault the GPU). The op-start ready handshake itself has a put path
-(``nvshmem_device.publish_ready``: int32 atomic set on unreachable peers).
+(``nvshmem_device.publish_ready``: int32 atomic set on unreachable peers). The MoE ops (count
+exchange, dispatch, combine) have put paths (``kernels/put.py``: ``World.put_mask`` picks the
+transport per peer, kernels compile with the device library when ``uses_nvshmem``); the TP ops
+do not and refuse such a world.
 
 Host side
 ---------
@@ -396,6 +399,14 @@ class NvshmemWorld(DistCollectives, World, TopologyMixin):
     def all_peers_reachable(self) -> bool:
         return all(self._reachable)
 
+    @property
+    def has_puts(self) -> bool:
+        return not all(self._reachable)
+
+    @property
+    def uses_nvshmem(self) -> bool:
+        return not all(self._reachable)
+
     def _probe_reachability(self) -> list[bool]:
         t = self._nv_tensor(256)
         try:
@@ -499,7 +510,7 @@ class NvshmemWorld(DistCollectives, World, TopologyMixin):
                 "World.begin_op does not call _publish_ready yet, so the ready handshake would "
                 "store through a 0 peer address (moe_overlap/world/base.py needs the hook)"
             )
-        return super().begin_op(nflags)
+        return super().begin_op(nflags, puts=puts)
 
     def _publish_ready(self, pad: SymmTensor) -> None:
         """The ready handshake with a put path: NVSHMEM int32 atomics for unreachable peers."""

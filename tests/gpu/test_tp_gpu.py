@@ -179,6 +179,20 @@ def test_concurrent_delayed_producer_forward_backward(op, W, delayed, bias):
     _check(outs, ref, BF16, True, bias, op)
 
 
+@pytest.mark.parametrize(
+    "op,W,Ms,N,K",
+    [("ag", 2, 64, 96, 64), ("rs", 2, 64, 64, 32), ("ag", 4, 32, 48, 64), ("rs", 4, 32, 64, 16)],
+)
+def test_concurrent_backward_short_shards(op, W, Ms, N, K):
+    """The hybrid block's attention shapes (BM 64, K below BK): with the gathered input saved
+    for the weight gradient, the forward GEMM came out wrong on the H200 while the A tile fed to
+    tl.dot was also stored (2026-12-03); the save is now a load pass of its own."""
+    d = (_ag_data if op == "ag" else _rs_data)("short", W, Ms, N, K, False)
+    ref = (_ag_reference if op == "ag" else _rs_reference)(d, False)
+    outs = _run(op, d, BF16, "concurrent", backward=True, delayed=W - 1)
+    _check(outs, ref, BF16, True, False, op)
+
+
 def test_concurrent_back_to_back_with_rotating_delays():
     """Ready epochs under real concurrency: each call delays another rank, alternating ops
     and shapes, so a producer that ran ahead must wait for its peer's previous op."""

@@ -20,9 +20,12 @@ Each rank: ``init_process_group("nccl")``, ``init_world("nvshmem")``, then check
   every source checked on every destination;
 * the ready handshake (``begin_op(puts=True)``): every peer's epoch arrives in our pad, by
   stores or by NVSHMEM atomics;
-* with every peer reachable: the toy op against a float64 sum and ``dist.all_reduce``, and the
-  MoE layer's fused forward against its all-to-all baseline on the same world; with unreachable
-  peers: those ops refuse with a clear error instead of storing through a 0 address;
+* with every peer reachable: the toy op against a float64 sum and ``dist.all_reduce``; with
+  unreachable peers it refuses with a clear error (it has no put path) instead of storing
+  through a 0 address;
+* on every world, puts or not: the MoE layer's fused forward and backward (count exchange,
+  dispatch and combine over both transports, one rank delayed) against its all-to-all
+  baseline on the same world;
 * ``finalize()``.
 
 Rank 0 prints ``nvshmem multigpu: world_size N: OK``. The pytest tests launch it with one
@@ -225,26 +228,37 @@ def _main() -> int:
                 assert_close(y, ref, dtype=dtype, name=f"toy {shape} {dtype}")
             except AssertionError as ex:
                 failures.append(f"rank {r}: {ex}")
-        El, H, F, T = 2, 256, 384, 96 + 31 * r
-        cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=El * W, top_k=2)
-        g = torch.Generator().manual_seed(77 + r)
-        fused = MoELayer(cfg, world=world, dtype=torch.bfloat16, device=dev, generator=g)
-        base = MoELayer(cfg, world=world, dtype=torch.bfloat16, device=dev, impl="baseline")
-        base.load_state_dict(fused.state_dict())
-        x = _input(r, 0, 200, (T, H), torch.bfloat16).to(dev)
-        with torch.no_grad():
-            y_f = fused(x)
-            y_b = base(x)
-        try:
-            assert_close(y_f.float(), y_b.double(), dtype=torch.bfloat16, name="moe fused/base")
-        except AssertionError as ex:
-            failures.append(f"rank {r}: {ex}")
     else:
         try:
             push_allreduce(torch.ones(4, 4, device=dev), world)
             failures.append(f"rank {r}: an op without put path ran with unreachable peers")
         except RuntimeError as ex:
             check("reachable only by NVSHMEM puts" in str(ex), f"unclear refusal: {ex}")
+    # The MoE layer on every world: its ops have put paths (kernels/put.py), so with
+    # unreachable peers (other nodes, FORCE_PUT) rows travel by puts. Forward and backward
+    # against the all-to-all baseline on the same world.
+    El, H, F, T = 2, 256, 384, 96 + 31 * r
+    cfg = MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=El * W, top_k=2)
+    g = torch.Generator().manual_seed(77 + r)
+    fused = MoELayer(cfg, world=world, dtype=torch.bfloat16, device=dev, generator=g)
+    base = MoELayer(cfg, world=world, dtype=torch.bfloat16, device=dev, impl="baseline")
+    base.load_state_dict(fused.state_dict())
+    x = _input(r, 0, 200, (T, H), torch.bfloat16).to(dev)
+    gy = _input(r, 0, 201, (T, H), torch.bfloat16).to(dev)
+    xf, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    if r == W - 1:
+        torch.cuda._sleep(SLEEP_CYCLES)
+    y_f = fused(xf)
+    y_b = base(xb)
+    y_f.backward(gy)
+    y_b.backward(gy)
+    try:
+        assert_close(y_f.float(), y_b.double(), dtype=torch.bfloat16, name="moe fused/base y")
+        assert_close(xf.grad.float(), xb.grad.double(), dtype=torch.bfloat16, name="moe dx")
+        for (n, pf), pb in zip(fused.named_parameters(), base.parameters()):
+            assert_close(pf.grad.float(), pb.grad.double(), dtype=torch.bfloat16, name=f"d{n}")
+    except AssertionError as ex:
+        failures.append(f"rank {r}{' (puts)' if not world.all_peers_reachable else ''}: {ex}")
     try:
         world.check()
     except Exception as ex:  # noqa: BLE001
