@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .nvshmem_device import quiet
 from .put import SIGNAL_SET, put_signal, wait_arrival
 from .signals import peer_ptr, signal_set, wait_geq
 
@@ -88,6 +89,8 @@ def _count_exchange_kernel(
                         _store_counts(buf_table, flag_table, c, m, offs, rank, d, E)
                 else:
                     _store_counts(buf_table, flag_table, c, m, offs, rank, d, E)
+        if USE_NVSHMEM:
+            quiet()  # the staged row is rewritten by the next exchange only once delivered
     else:
         for s in range(W):
             if PUT:
