@@ -150,7 +150,9 @@ def _layer1_gemm_kernel(
                     # Rows for sources on other nodes: staged here in receive-row order, then
                     # one put per row segment (the destination row is H wide, the tile BN).
                     pmask = (rmask & (pm != 0))[:, None] & cmask[None, :]
-                    tl.store(stage_out + rows[:, None] * H + cols[None, :], val, mask=pmask)
+                    n_put = tl.sum(tl.where(rmask & (pm != 0), 1, 0))
+                    srow = rows.to(tl.int64)[:, None] * H
+                    tl.store(stage_out + srow + cols[None, :], val, mask=pmask)
                 base = tl.load(comb_table + src, mask=smask, other=0)
                 addr = base[:, None] + (slot[:, None] * H + cols[None, :]) * ES
                 tl.store(addr.to(tl.pointer_type(dtype)), val, mask=smask[:, None] & cmask[None, :])
@@ -161,7 +163,9 @@ def _layer1_gemm_kernel(
                 if PUT:
                     end = tl.load(exp_end_ptr + le)
                     ncol = tl.minimum(BN, H - nt * BN)
-                    for i in range(0, BM):
+                    # Tiles without a row for another node skip the row walk.
+                    n_rows = tl.where(n_put > 0, BM, 0)
+                    for i in range(0, n_rows):
                         r = r0 + i
                         if r < end:
                             sr = tl.load(row_src_ptr + r)

@@ -249,7 +249,10 @@ class World(TopologyMixin):
 
     @property
     def put_mask(self) -> torch.Tensor:
-        """int32 ``[W]`` on the device: 1 where this rank moves data to that rank by puts."""
+        """int32 ``[W]`` on the device: 1 where this rank moves data to that rank by puts.
+
+        Built when the topology is set (a host-to-device copy, so never inside a CUDA-graph
+        capture) and rebuilt only if the reachability changes."""
         key = tuple(not self.peer_reachable(r) for r in range(self.world_size))
         cached = self.__dict__.get("_put_mask")
         if cached is None or cached[0] != key:

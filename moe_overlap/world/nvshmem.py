@@ -381,6 +381,8 @@ class NvshmemWorld(DistCollectives, World, TopologyMixin):
                     f"{world_size} (the group's rank): was NVSHMEM already bootstrapped?"
                 )
             self._reachable = self._probe_reachability()
+            if not all(self._reachable):
+                self.put_mask  # noqa: B018 - built now, not lazily inside a graph capture
             from ..kernels import nvshmem_device as nvd
 
             nvd.install_module_init_hook()

@@ -282,6 +282,11 @@ class TopologyMixin:
                 f"topology has {topology.world_size} ranks but the world has {self.world_size}"
             )
         self.__dict__["_topology"] = topology
+        # Worlds whose reachability comes from the topology build their put mask now, not
+        # lazily inside a CUDA-graph capture (NVSHMEM's world builds it after its probe).
+        own_rule = type(self).peer_reachable is TopologyMixin.peer_reachable
+        if own_rule and hasattr(type(self), "put_mask") and getattr(self, "device", None):
+            self.put_mask  # noqa: B018
 
     @property
     def node(self) -> int:
