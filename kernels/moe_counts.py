@@ -93,23 +93,22 @@ def _count_exchange_kernel(
             quiet()  # the staged row is rewritten by the next exchange only once delivered
     else:
         for s in range(W):
-            if PUT:
-                ok = wait_arrival(
-                    flags_local + s,
-                    sig_local + s,
-                    tl.load(put_mask_ptr + s) != 0,
-                    1,
-                    err_ptr,
-                    rank,
-                    STAGE_COUNTS,
-                    s,
-                    budget,
-                    USE_TIMER,
-                    PUT,
-                    USE_NVSHMEM,
-                )
-            else:
-                ok = wait_geq(flags_local + s, 1, err_ptr, rank, STAGE_COUNTS, s, budget, USE_TIMER)
+            ok = wait_arrival(
+                flags_local + s,
+                sig_local,
+                s,
+                put_mask_ptr,
+                s,
+                1,
+                err_ptr,
+                rank,
+                STAGE_COUNTS,
+                s,
+                budget,
+                USE_TIMER,
+                PUT,
+                USE_NVSHMEM,
+            )
             v = tl.load(buf_local + s * E + offs, mask=m)
             # A timed-out row reads as -1: layout code treats negative counts as an error.
             v = tl.where(ok, v, -1)
@@ -158,9 +157,9 @@ def launch_count_exchange(
         pad_local,
         epoch,
         err,
-        sig_local if put else flags_local,
-        sig_table if put else flag_table,
-        put_mask if put else flags_local,
+        sig_local,
+        sig_table,
+        put_mask,
         E,
         rank,
         budget,

@@ -466,50 +466,25 @@ def _layer0_kernel(
                     cnt = tl.load(slice_cnt_ptr + s * El + le)
                     need = (s != rank) & (cnt > 0) & (off < r0 + BM) & (off + cnt > r0)
                     if need:
-                        if PUT:
-                            by_put = tl.load(put_mask_ptr + s) != 0
-                            sig_p = sig_local + s * El + le
+                        fl = s * El + le
+                        for part in tl.static_range(2 if PUT else 1):
+                            # part 1: the slots of rows that came by puts travel as a second put
+                            # (on the store path it re-reads the row flag, already met)
                             ok = wait_arrival(
-                                flags_local + s * El + le,
-                                sig_p,
-                                by_put,
+                                flags_local + fl,
+                                sig_local,
+                                part * W * El + fl,
+                                put_mask_ptr,
+                                s,
                                 cnt,
                                 err_ptr,
                                 rank,
                                 STAGE_DISPATCH,
-                                s * El + le,
+                                part * W * El + fl,
                                 budget,
                                 USE_TIMER,
                                 PUT,
                                 USE_NVSHMEM,
-                            )
-                            nbad += tl.where(ok, 0, 1)
-                            if by_put:  # the rows' slots travel as a second put
-                                ok = wait_arrival(
-                                    flags_local,
-                                    sig_p + W * El,
-                                    by_put,
-                                    cnt,
-                                    err_ptr,
-                                    rank,
-                                    STAGE_DISPATCH,
-                                    W * El + s * El + le,
-                                    budget,
-                                    USE_TIMER,
-                                    PUT,
-                                    USE_NVSHMEM,
-                                )
-                                nbad += tl.where(ok, 0, 1)
-                        else:
-                            ok = wait_geq(
-                                flags_local + s * El + le,
-                                cnt,
-                                err_ptr,
-                                rank,
-                                STAGE_DISPATCH,
-                                s * El + le,
-                                budget,
-                                USE_TIMER,
                             )
                             nbad += tl.where(ok, 0, 1)
             if TRACE:

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .nvshmem_device import CMP_GE, putmem_signal_nbi_block, signal_wait_until, wait_signal_geq
-from .signals import now_ns, record_error, wait_geq
+from .signals import wait_geq
 
 SIGNAL_SET = tl.constexpr(9)
 SIGNAL_ADD = tl.constexpr(10)
@@ -88,8 +88,10 @@ def put_signal(
 @triton.jit
 def wait_arrival(
     flag_ptr,
-    sig_ptr,
-    by_put,
+    sig_base,
+    sig_index,
+    put_mask_ptr,
+    peer,
     target,
     err_ptr,
     rank,
@@ -100,12 +102,24 @@ def wait_arrival(
     PUT: tl.constexpr,
     USE_NVSHMEM: tl.constexpr,
 ):
-    """Bounded wait until what a source sent has arrived: its int32 flag (store path) or, when
-    ``by_put``, its int64 signal word (put path) reaches ``target``. Returns True on arrival."""
+    """Bounded wait until what ``peer`` sent has arrived: its int32 flag ``*flag_ptr`` (store
+    path) or, where ``put_mask[peer]`` says puts, its int64 signal word ``sig_base[sig_index]``
+    reaches ``target``. Without ``PUT`` it is ``signals.wait_geq`` (``sig_base`` and
+    ``put_mask_ptr`` unused). Returns True on arrival."""
+    # Nested rather than ``by_put = False; if PUT: ...; if by_put:``: compiled Triton (3.9)
+    # does not fold that second branch away when PUT is False.
     if PUT:
-        if by_put:
+        if tl.load(put_mask_ptr + peer) != 0:
             ok = wait_signal_geq(
-                sig_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER, USE_NVSHMEM
+                sig_base + sig_index,
+                target,
+                err_ptr,
+                rank,
+                stage,
+                index,
+                budget,
+                USE_TIMER,
+                USE_NVSHMEM,
             )
         else:
             ok = wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER)
@@ -129,23 +143,7 @@ def wait_sum_geq(
 ):
     """Bounded wait until int32 ``*flag_ptr`` (stored rows) plus int64 ``*sig_ptr`` (rows that
     came by puts) reach ``target``: a counter fed by both transports at once."""
-    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys").to(tl.int64) + tl.atomic_add(
-        sig_ptr, 0, sem="acquire", scope="sys"
-    )
-    start = now_ns(USE_TIMER)
-    spent = start * 0
-    while (seen < target) & (spent < budget):
-        seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys").to(tl.int64) + tl.atomic_add(
-            sig_ptr, 0, sem="acquire", scope="sys"
-        )
-        if USE_TIMER:
-            spent = now_ns(USE_TIMER) - start
-        else:
-            spent += 1
-    ok = seen >= target
-    if seen < target:
-        record_error(err_ptr, rank, stage, index, target, seen)
-    tl.debug_barrier()
+    ok = wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER, sig_ptr, True)
     if USE_NVSHMEM:
         if ok:
             # NVSHMEM's own post-wait ordering for what a NIC delivered (returns at once).

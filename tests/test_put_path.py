@@ -134,14 +134,20 @@ def test_moe_layer_over_puts_equals_single_node():
     cfg = mo.MoEConfig(hidden_size=24, ffn_hidden_size=16, num_experts=4, top_k=2)
     W = 2
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(W, 10, 24, generator=g)
+    # Non-contiguous token rows (a transposed view): the layer must not assume a layout.
+    x = torch.randn(W, 24, 10, generator=g).transpose(1, 2)
 
     def run(multi_node):
         def fn(world):
             if multi_node:
                 _nodes(world, 1)
             layer = mo.MoELayer(cfg, world=world, generator=torch.Generator().manual_seed(3))
-            return layer(x[world.rank]).detach(), layer.expert_counts
+            xr = x[world.rank]
+            assert not xr.is_contiguous()
+            y = layer(xr)
+            # The same layer on contiguous rows (the router's matmul may round differently).
+            assert_close(y, layer(xr.contiguous()), name=f"rank {world.rank} strided x")
+            return y.detach(), layer.expert_counts
 
         return spawn(W, fn, timeout=120)
 

@@ -201,20 +201,24 @@ def _workspace(world: World, layout: Layout, H: int, dtype: torch.dtype) -> _Sta
     return _Stage(*(ws.view(o, shape, dt) for o, (shape, dt) in zip(offs, shapes)))
 
 
-def _put_args(world: World, sig, stage: _Stage, layer: int) -> dict:
-    """The put-path kernel arguments of layer 0 or 1 (empty dict: store path only)."""
+def _put_args(world: World, sig, stage: _Stage, kernel: str) -> dict:
+    """The put-path arguments of ``kernel`` ("layer0", "layer1" or "combine"); an empty dict
+    on a world without puts (``sig`` None)."""
     if sig is None:
         return {}
-    args = dict(put_mask_ptr=world.put_mask, PUT=True, USE_NVSHMEM=world.uses_nvshmem)
-    if layer == 0:
+    args = dict(PUT=True, USE_NVSHMEM=world.uses_nvshmem)
+    if kernel == "layer0":
         args.update(
+            put_mask_ptr=world.put_mask,
             sig_local=sig.local,
             sig_table=sig.ptrs,
             stage_rows=stage.put_rows.local,
             stage_slots=stage.put_slots.local,
         )
+    elif kernel == "layer1":
+        args.update(put_mask_ptr=world.put_mask, sig_table=sig.ptrs, stage_out=stage.put_out.local)
     else:
-        args.update(sig_table=sig.ptrs, stage_out=stage.put_out.local)
+        args.update(sig_local=sig.local)
     if world.uses_nvshmem:
         from ..kernels.nvshmem_device import compile_options
 
@@ -419,7 +423,7 @@ def _launch_layer0(
         FLAT=flat,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
-        **_put_args(world, sig, stage_ws, 0),
+        **_put_args(world, sig, stage_ws, "layer0"),
     )
 
     def launch(role):
@@ -533,11 +537,8 @@ def _launch_layer1(
     # loads: measured on the H200 (tests/gpu/gemm_variants.py) 1.02x / 1.06x grouped_mm on
     # Mixtral / Qwen3 against 1.02x / 1.00x unflattened; only with TMA operands and one rank.
     flat = W == 1 and h_desc is not None and trace is None
-    put1 = _put_args(world, sig, stage_ws, 1)
-    red_put = {}
-    if put1:
-        red_put = dict(sig_local=sig.local, PUT=True, USE_NVSHMEM=put1["USE_NVSHMEM"])
-        red_put.update({k: v for k, v in put1.items() if k == "extern_libs"})
+    put1 = _put_args(world, sig, stage_ws, "layer1")
+    red_put = _put_args(world, sig, stage_ws, "combine")
 
     def launch(role):
         if role in (0, 1):

@@ -236,10 +236,21 @@ class World(TopologyMixin):
         return self._pad.view(0, (self._pad.local.numel() // 4,), torch.int32)
 
     # ----------------------------------------------------------------- transports
+    def _put_peers(self) -> tuple[bool, ...]:
+        """Per rank: True where this rank moves data to it by puts. Cached per topology (every
+        op asks, and reachability changes only with the topology)."""
+        topo = self.topology
+        cached = self.__dict__.get("_put_peers_cache")
+        if cached is None or cached[0] is not topo:
+            key = tuple(not self.peer_reachable(r) for r in range(self.world_size))
+            cached = (topo, key, None)
+            self.__dict__["_put_peers_cache"] = cached
+        return cached[1]
+
     @property
     def has_puts(self) -> bool:
         """True when some peer is reachable only by puts (another node; see ``topology``)."""
-        return not all(self.peer_reachable(r) for r in range(self.world_size))
+        return any(self._put_peers())
 
     @property
     def uses_nvshmem(self) -> bool:
@@ -252,14 +263,13 @@ class World(TopologyMixin):
         """int32 ``[W]`` on the device: 1 where this rank moves data to that rank by puts.
 
         Built when the topology is set (a host-to-device copy, so never inside a CUDA-graph
-        capture) and rebuilt only if the reachability changes."""
-        key = tuple(not self.peer_reachable(r) for r in range(self.world_size))
-        cached = self.__dict__.get("_put_mask")
-        if cached is None or cached[0] != key:
-            t = torch.tensor([int(k) for k in key], dtype=torch.int32, device=self.device)
-            cached = (key, t)
-            self.__dict__["_put_mask"] = cached
-        return cached[1]
+        capture) and again only when the topology changes."""
+        key = self._put_peers()
+        topo, _, mask = self.__dict__["_put_peers_cache"]
+        if mask is None:
+            mask = torch.tensor([int(k) for k in key], dtype=torch.int32, device=self.device)
+            self.__dict__["_put_peers_cache"] = (topo, key, mask)
+        return mask
 
     # ----------------------------------------------------------------- op protocol
     def begin_op_signals(self, nflags: int, nsig: int) -> tuple[SymmTensor, SymmTensor]:

@@ -402,10 +402,6 @@ class NvshmemWorld(DistCollectives, World, TopologyMixin):
         return all(self._reachable)
 
     @property
-    def has_puts(self) -> bool:
-        return not all(self._reachable)
-
-    @property
     def uses_nvshmem(self) -> bool:
         return not all(self._reachable)
 
