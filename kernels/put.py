@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .nvshmem_device import CMP_GE, putmem_signal_nbi_block, signal_wait_until, wait_signal_geq
-from .signals import wait_geq
+from .signals import load_acquire, now_ns, record_error, wait_geq
 
 SIGNAL_SET = tl.constexpr(9)
 SIGNAL_ADD = tl.constexpr(10)
@@ -142,8 +142,24 @@ def wait_sum_geq(
     USE_NVSHMEM: tl.constexpr,
 ):
     """Bounded wait until int32 ``*flag_ptr`` (stored rows) plus int64 ``*sig_ptr`` (rows that
-    came by puts) reach ``target``: a counter fed by both transports at once."""
-    ok = wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER, sig_ptr, True)
+    came by puts) reach ``target``: a counter fed by both transports at once.
+
+    ``signals.wait_geq``'s loop over two words. Folding it into ``wait_geq`` (a constexpr second
+    word) would touch every kernel's waits, which the H200 has not re-run: kept apart until
+    it can."""
+    seen = load_acquire(flag_ptr).to(tl.int64) + load_acquire(sig_ptr)
+    start = now_ns(USE_TIMER)
+    spent = start * 0
+    while (seen < target) & (spent < budget):
+        seen = load_acquire(flag_ptr).to(tl.int64) + load_acquire(sig_ptr)
+        if USE_TIMER:
+            spent = now_ns(USE_TIMER) - start
+        else:
+            spent += 1
+    ok = seen >= target
+    if seen < target:
+        record_error(err_ptr, rank, stage, index, target, seen)
+    tl.debug_barrier()
     if USE_NVSHMEM:
         if ok:
             # NVSHMEM's own post-wait ordering for what a NIC delivered (returns at once).

@@ -112,39 +112,17 @@ def record_error(err_ptr, rank, stage, index, expected, seen):
 
 
 @triton.jit
-def _poll(flag_ptr, extra_ptr, HAS_EXTRA: tl.constexpr):
-    seen = load_acquire(flag_ptr)
-    if HAS_EXTRA:
-        seen = seen.to(tl.int64) + load_acquire(extra_ptr)
-    return seen
-
-
-@triton.jit
-def wait_geq(
-    flag_ptr,
-    target,
-    err_ptr,
-    rank,
-    stage,
-    index,
-    budget,
-    USE_TIMER: tl.constexpr,
-    extra_ptr=None,
-    HAS_EXTRA: tl.constexpr = False,
-):
+def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: tl.constexpr):
     """Spin until ``*flag_ptr >= target`` (acquire) or the budget runs out.
-
-    ``HAS_EXTRA``: until ``*flag_ptr + *extra_ptr >= target`` instead, one counter fed through
-    two words (the combine's stored rows, int32, and rows that came by puts, int64).
 
     Returns a scalar bool: True when the flag arrived. On timeout an error record names
     ``rank``, ``stage``, ``index``, ``target`` and the last value seen.
     """
-    seen = _poll(flag_ptr, extra_ptr, HAS_EXTRA)
+    seen = load_acquire(flag_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0
     while (seen < target) & (spent < budget):
-        seen = _poll(flag_ptr, extra_ptr, HAS_EXTRA)
+        seen = load_acquire(flag_ptr)
         if USE_TIMER:
             spent = now_ns(USE_TIMER) - start
         else:
