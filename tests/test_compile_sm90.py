@@ -20,7 +20,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from moe_overlap.kernels import gather_rows, moe_counts, moe_layer0, moe_layer1
+    from moe_overlap.kernels import gather_rows, moe_counts, moe_layer0, moe_layer1, row_dot
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -83,9 +83,10 @@ _SCRIPT = textwrap.dedent(
         types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
-            HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128, BK=64, CH=64,
-            BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact, B_MODE=mode,
-            A_TMA=True, FLAT=flat))
+            # the backward's staged rows carry the scale already (ROW_SCALE off)
+            HAS_SCALE=scale, ROW_SCALE=scale and not flat, EVEN_K=True, BM=128, BN=128,
+            BK=64, CH=64, BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact,
+            B_MODE=mode, A_TMA=True, FLAT=flat))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",
@@ -179,6 +180,10 @@ _SCRIPT = textwrap.dedent(
         build(gather_rows._gather_rows_kernel, tg, dict(HAS_RECV=recv, HAS_SCALE=scale, BR=32,
                                                         BH=128), warps=4, stages=2)
         n += 1
+    tr = types_for(row_dot._row_dot_kernel, dict(o_ptr="*" + dt, dy_ptr="*" + dt,
+                                                 slot_of_ptr="*i32", out_ptr="*fp32"))
+    build(row_dot._row_dot_kernel, tr, dict(BA=32, BH=128), warps=4, stages=2)
+    n += 1
     print(f"compiled {n} MoE kernel variants for sm_90")
     """
 )

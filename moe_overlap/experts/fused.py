@@ -45,6 +45,7 @@ from ..kernels.launch import launch as _launch
 from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
+from ..kernels.row_dot import row_dot
 from ..world import SymmTensor, WorkspacePlan, World, interpreted, launch_lock
 from . import tuning
 from .checks import check_expert_args
@@ -78,9 +79,16 @@ def block_m(pinned=None) -> int:
 
 
 def layer0_config(activation: str, elem_size: int = 2, pinned=None) -> dict:
-    """Block config of the layer-0 GEMM. ``MOE_OVERLAP_L0_CONFIG=BM,BN,BK,warps,stages`` pins
-    one (BM must match layer 1's); else a tuned config from the pinned table
-    (``moe_overlap.experts.tuning``); else the defaults below."""
+    """Block config of the layer-0 GEMM (``activation``: "swiglu", "plain" or "dact", the
+    backward's dispatch GEMM). ``MOE_OVERLAP_L0_CONFIG=BM,BN,BK,warps,stages`` pins one (BM must
+    match layer 1's; ``MOE_OVERLAP_L0B_CONFIG`` for "dact" only); else a tuned config from the
+    pinned table (``moe_overlap.experts.tuning``); else the defaults below."""
+    if activation == "dact":
+        cfg = _env_cfg("MOE_OVERLAP_L0B_CONFIG")
+        if cfg:
+            return cfg
+        if pinned is not None and "l0b" in pinned:
+            return dict(pinned["l0b"])
     cfg = _env_cfg("MOE_OVERLAP_L0_CONFIG")
     if cfg:
         return cfg
@@ -95,6 +103,10 @@ def layer0_config(activation: str, elem_size: int = 2, pinned=None) -> dict:
     bm = pinned["l0"]["BM"] if pinned is not None else 128
     if activation == "swiglu":  # two accumulators: a 128 x (2 x 128) tile
         return dict(BM=bm, BN=128, BK=bk, num_warps=8, num_stages=3)
+    if activation == "dact":
+        # The backward's epilogue loads the saved gate and up tiles beside the accumulator: at
+        # BN 256 that spilled (measured on the H200, mixtral-8x7b: 18.5 ms for 3.85 TFLOP).
+        return dict(BM=bm, BN=128, BK=bk, num_warps=8, num_stages=4)
     return dict(BM=bm, BN=256, BK=bk, num_warps=8, num_stages=3)
 
 
@@ -293,6 +305,7 @@ def _launch_layer0(
     dact=None,
     pre=None,
     a_rows=None,
+    a_rows_scaled=False,
 ):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
@@ -304,13 +317,14 @@ def _launch_layer0(
 
     One rank with a TMA weight operand: the rows are staged contiguously (``a_rows [R, H]``
     when the caller already gathered them, else into the workspace's receive buffer) and the
-    GEMM loads A by TMA, since Hopper's TMA cannot gather rows itself.
+    GEMM loads A by TMA, since Hopper's TMA cannot gather rows itself. ``a_rows_scaled``: the
+    given ``a_rows`` already carry ``row_scale`` (applied in the epilogue only where the GEMM
+    falls back to gathering rows of ``x``).
     """
     device = x.device
     W = world.world_size
-    cfg = layer0_config(
-        "swiglu" if act == "swiglu" else "plain", x.element_size(), getattr(layout, "pinned", None)
-    )
+    kind = "dact" if dact is not None else ("swiglu" if act == "swiglu" else "plain")
+    cfg = layer0_config(kind, x.element_size(), getattr(layout, "pinned", None))
     BM = layout.block_m
     R = layout.rows_cap
     H = x.shape[1]
@@ -352,9 +366,11 @@ def _launch_layer0(
     df = _dummy(device, x.dtype)
     n_rows = 2 * N if act == "swiglu" else N
     b_mode, w_desc = _weight_operand(w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
-    a_desc = (
-        _staged_rows_desc(x, layout, recv, a_rows, BM, cfg["BK"]) if W == 1 and b_mode else None
-    )
+    a_desc = None
+    if W == 1 and b_mode and (a_rows is not None or _stage_pays(n_rows)):
+        a_desc = _staged_rows_desc(x, layout, recv, a_rows, BM, cfg["BK"])
+    if a_desc is not None and a_rows is not None and a_rows_scaled:
+        row_scale = None
     # Flattening the tile loop into the K loop, which wins for layer 1, loses here: measured on
     # the H200 (mixtral-8x7b, 2026-12-03) 0.779x grouped_mm flattened against 0.978x not
     # (SwiGLU's two accumulators). MOE_OVERLAP_L0_FLAT=1 turns it on for experiments.
@@ -440,6 +456,20 @@ def _launch_layer0(
     return out, gu
 
 
+def _stage_pays(n_cols: int) -> bool:
+    """Whether gathering layer 0's A rows in a pass of their own (for TMA loads) beats pointer
+    loads in the GEMM, where the caller has not gathered them anyway. The pass costs the same
+    bytes whatever the GEMM's width ``n_cols`` (2F for SwiGLU), the GEMM's gain grows with it:
+    measured on the H200 (2026-12-03) staged against pointer loads 1.000x / 0.978x grouped_mm
+    at mixtral-8x7b (2F 28672), 1.064x / 0.993x at deepseek-v3 (4096), but 0.907x / 0.938x at
+    qwen3-30b-a3b (1536). ``MOE_OVERLAP_L0_STAGE=0/1`` forces it."""
+    env = os.environ.get("MOE_OVERLAP_L0_STAGE")
+    if env in ("0", "1"):
+        return env == "1"
+    # the interpreter stages always: the CPU suite then covers the descriptor path's indexing
+    return interpreted() or n_cols >= 2048
+
+
 def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
     """One rank: a TMA descriptor over layer 0's A rows ``[R, H]`` in receive order (zeros on
     padding rows), or None where TMA does not apply. ``a_rows``: the rows already gathered
@@ -510,7 +540,16 @@ def _launch_layer1(
     else:
         comb_local, comb_table = comb.local, comb.ptrs
     y = torch.empty(T, H, dtype=h.dtype, device=device)
-    o = torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device) if save_o else None
+    o = None
+    if save_o:
+        # One rank: the GEMM's rows land in a tensor of their own already (not workspace), so
+        # the backward keeps that one instead of the reduction copying every row out.
+        o = (
+            comb_local
+            if W == 1
+            else torch.empty(layout.slots_cap_max, H, dtype=h.dtype, device=device)
+        )
+    copy_o = save_o and W > 1
     n_n = -(-H // cfg["BN"])
     flags = sig = None
     if W > 1:
@@ -526,7 +565,11 @@ def _launch_layer1(
     total = layout.tiles_cap * n_n
     n_gemm = _programs(world, total)
     BT = 16 if interpreted() else 32
-    n_red = _programs(world, -(-T // BT) * n_n) if T else 0
+    n_red_tiles = -(-T // BT) * n_n
+    # Persistent reduction programs only where they wait for peers (they must then fit beside
+    # the GEMM's); one rank launches one program per tile: the reduction is a latency-bound
+    # gather, and 132 programs of 4 warps left most of each SM idle.
+    n_red = (_programs(world, n_red_tiles) if W > 1 or interpreted() else n_red_tiles) if T else 0
     b_mode, w_desc = _weight_operand(w, H, k_dim, H, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
     h_desc = None
     if b_mode and _tma_usable(h) and h.shape[1] == k_dim:
@@ -597,7 +640,7 @@ def _launch_layer1(
                 layout.slot_of,
                 weights if weights is not None else df,
                 y,
-                o if o is not None else df,
+                o if copy_o else df,
                 flags.local if flags is not None else di,
                 layout.n_kept,
                 world.error_buffer,
@@ -609,7 +652,7 @@ def _launch_layer1(
                 y.stride(0),
                 W=W,
                 HAS_W=weights is not None,
-                SAVE_O=save_o,
+                SAVE_O=copy_o,
                 BT=BT,
                 BN=cfg["BN"],
                 USE_TIMER=world.use_timer,
@@ -684,17 +727,19 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     return out
 
 
-def _rowwise_dot(o_TKH, dy_TH):
-    """``d w[t, k] = <o[t, k], dy[t]>`` in fp32 -> ``[T * K]``. On the GPU a batched GEMV with fp32
-    output reads the bf16 operands once (the fp32 elementwise form moved ~4x the bytes)."""
-    T, K, H = o_TKH.shape
-    if o_TKH.is_cuda and o_TKH.dtype in (torch.bfloat16, torch.float16) and T:
-        try:
-            out = torch.bmm(o_TKH, dy_TH.view(T, H, 1), out_dtype=torch.float32)
-            return out.view(T * K)
-        except (TypeError, RuntimeError):
-            pass
-    return torch.bmm(o_TKH.float(), dy_TH.float().view(T, H, 1)).view(T * K)
+def _weights_grad(o, dy, layout: Layout) -> torch.Tensor:
+    """``d w[a] = <o[slot_of[a]], dy[a // K]>`` in fp32 -> ``[T * K]`` (0 for dropped ones).
+
+    On the GPU (and in the interpreter) one kernel reads ``o`` in place; plain CPU tensors take
+    the torch form."""
+    if o.is_cuda or interpreted():
+        with launch_lock():
+            return row_dot(o, dy, layout.slot_of, layout.top_k, interpreted())
+    T, H = dy.shape
+    slot = layout.slot_of.long()
+    o_rows = o.index_select(0, slot.clamp(min=0)).view(T, layout.top_k, H)
+    d_w = torch.bmm(o_rows.float(), dy.float().view(T, H, 1)).view(-1)
+    return torch.where(slot >= 0, d_w, torch.zeros_like(d_w))
 
 
 def _mask_rows(t, valid):
@@ -779,7 +824,7 @@ def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return y, saved
 
 
-def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act):
+def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None):
     """Backward of the combine and the activation: dispatch ``dy * w`` into a GEMM with ``w2``
     (-> d h) whose epilogue applies ``act``'s derivative at the saved ``gu`` -> ``d gu``
     (zeros on padding rows).
@@ -800,6 +845,8 @@ def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act):
         stage_ws=ws,
         dact=act,
         pre=gu,
+        a_rows=a_rows,
+        a_rows_scaled=True,
     )
     return d_gu
 
@@ -855,10 +902,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     wflat = topk_weights.contiguous().view(-1)
 
     # layer 1: d topk_weights from the saved expert rows
-    slot = layout.slot_of.long()
-    o_rows = o.index_select(0, slot.clamp(min=0)) if slot.numel() else o[:0]
-    d_w = _rowwise_dot(o_rows.view(T, K, H), dy)
-    d_w = torch.where(slot >= 0, d_w, torch.zeros_like(d_w)).view(T, K)
+    d_w = _weights_grad(o, dy, layout).view(T, K)
 
     # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
     tok = layout.row_tok.long()
@@ -869,10 +913,17 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     else:
         w_local = torch.zeros_like(tok, dtype=torch.float32)
     row_scale = torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
-    d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
     # Padding rows are zero in g_rows (gathered) and in h (layer 0's epilogue writes them): the
     # grouped wgrad can take whole padded expert ranges without a masking pass.
-    g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+    if world.world_size == 1:
+        # One rank: the scaled rows wgrad needs are the dispatch GEMM's (TMA) A operand too, as
+        # in the forward.
+        g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+        d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=g_rows)
+    else:
+        # peers' rows are in the receive buffer only once the dispatch has run
+        d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
+        g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
     d_w2 = _grouped_wgrad(g_rows, h, layout, w2.dtype, world)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None
 

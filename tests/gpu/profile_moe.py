@@ -5,6 +5,9 @@ Prints, per preset, the forward and backward wall times (CUDA events) and the to
 profiled forward+backward (torch.profiler), so a slow step shows up by name.
 """
 
+import cProfile
+import os
+import pstats
 import sys
 
 import torch
@@ -49,6 +52,15 @@ def profile(name):
     fw.sort()
     bw.sort()
     print(f"== {name}: forward {fw[2]:.3f} ms, backward {bw[2]:.3f} ms (median of 5)")
+    if os.environ.get("PROFILE_PY") == "1":
+        # Host side: where the Python time of five steps goes (a CPU-bound layer shows here).
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         step()
@@ -57,6 +69,11 @@ def profile(name):
         sort_by="cuda_time_total", row_limit=22, max_name_column_width=70
     )
     print(table, flush=True)
+    # Kernels in launch order with their own durations: which call of a kernel is the slow one.
+    print("kernels in order (>= 50 us):")
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time >= 50:
+            print(f"  {e.device_time / 1e3:8.3f} ms  {e.name[:90]}")
 
 
 if __name__ == "__main__":

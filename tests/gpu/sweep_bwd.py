@@ -1,0 +1,84 @@
+"""Block configs of the backward's dispatch GEMM (``d gu`` with the activation derivative in
+its epilogue), timed alone on one GPU (not a pytest file).
+
+python tests/gpu/sweep_bwd.py [preset ...]   # default mixtral-8x7b qwen3-30b-a3b
+Prints, per preset and config (``MOE_OVERLAP_L0B_CONFIG``), the median of
+``triton.testing.do_bench`` and the rate on the GEMM's FLOPs, next to ``torch._grouped_mm`` on the
+same rows, and checks every config's ``d gu`` against the first one's.
+"""
+
+import os
+import sys
+
+import torch
+import triton.testing
+
+from moe_overlap.bench.presets import get_moe_shape
+from moe_overlap.experts import fused, tuning
+from moe_overlap.world import init_world
+
+CONFIGS = (
+    "128,128,64,8,4,8",
+    "128,128,64,8,3,8",
+    "128,128,64,8,4,16",
+    "128,128,64,4,4,8",
+    "128,64,64,4,4,8",
+    "128,256,64,8,3,8",
+)
+
+
+def run(name):
+    dev = torch.device("cuda")
+    world = init_world()
+    s = get_moe_shape(name)
+    T, H, F, E, K = s.tokens, s.hidden, s.ffn, s.experts, s.topk
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    wts, ids = torch.randn(T, E, generator=g).to(dev).softmax(-1).topk(K, -1)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, torch.bfloat16)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, torch.bfloat16)
+    dy = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    pinned = tuning.pinned(dev, x.dtype, H, F, E, K)
+    layout = fused.dispatch_layout(ids, E, world, None, pinned)
+    ws = fused._workspace(world, layout, H, x.dtype)
+    _, gu = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)
+    wflat = wts.contiguous().view(-1)
+    tok = layout.row_tok.long()
+    j = torch.where(tok >= 0, layout.row_slot.long(), torch.zeros_like(tok))
+    w_local = wflat.float().index_select(0, layout.sorted_assign.long().index_select(0, j))
+    row_scale = torch.where(tok >= 0, w_local, torch.zeros_like(w_local))
+    g_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+    M = int((layout.expert_end - layout.expert_start).sum())
+    flop = 2 * M * H * F
+    ends = layout.expert_start + (layout.expert_end - layout.expert_start + 127) // 128 * 128
+    # d h = g @ w2[e]: w2 [E, H, F] is already (contraction, output) per expert
+    ms = triton.testing.do_bench(
+        lambda: torch._grouped_mm(g_rows, w2, offs=ends.to(torch.int32)), return_mode="median"
+    )
+    print(f"== {name}: grouped_mm d h alone {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
+    ref = None
+    for cfg in CONFIGS:
+        os.environ["MOE_OVERLAP_L0B_CONFIG"] = cfg
+
+        def step():
+            return fused._bwd_dispatch(
+                dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows=g_rows
+            )
+
+        try:
+            out = step()
+            ms = triton.testing.do_bench(step, return_mode="median")
+        except Exception as e:  # a config that does not fit: say so, go on
+            print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
+            continue
+        real = layout.row_tok >= -1
+        if ref is None:
+            ref = out[real].float()
+        err = ((out[real].float() - ref).norm() / ref.norm()).item()
+        print(f"  {cfg}: {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s  rel. diff {err:.1e}")
+    os.environ.pop("MOE_OVERLAP_L0B_CONFIG", None)
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or ["mixtral-8x7b", "qwen3-30b-a3b"]:
+        run(n)
