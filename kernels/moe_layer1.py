@@ -206,8 +206,8 @@ def _combine_kernel(
     budget,
     T,
     H,
-    K_top,
     stride_ym,
+    K_top: tl.constexpr,
     W: tl.constexpr,
     HAS_W: tl.constexpr,
     SAVE_O: tl.constexpr,
@@ -251,7 +251,9 @@ def _combine_kernel(
                 )
             bad = tl.where(ok, 0, 1)
         acc = tl.zeros((BT, BN), dtype=tl.float32)
-        for k in range(0, K_top):
+        # Unrolled: the K slot loads, then the K row loads, go out together (a rolled loop
+        # waited for each slot, then its row, K times over).
+        for k in tl.static_range(K_top):
             a = toks.to(tl.int64) * K_top + k
             j = tl.load(slot_of_ptr + a, mask=tmask, other=-1).to(tl.int64)
             m = (j >= 0)[:, None] & cmask[None, :]

@@ -111,7 +111,8 @@ _SCRIPT = textwrap.dedent(
     tc = types_for(moe_layer1._combine_kernel, c_ptrs)
     for W, has_w in itertools.product((1, 2), (False, True)):
         build(moe_layer1._combine_kernel, tc, dict(
-            W=W, HAS_W=has_w, SAVE_O=has_w, BT=32, BN=256, USE_TIMER=True), warps=4, stages=2)
+            K_top=8 if W == 1 else 2, W=W, HAS_W=has_w, SAVE_O=has_w and W > 1, BT=32,
+            BN=128 if W == 1 else 256, USE_TIMER=True), warps=4, stages=2)
         n += 1
     k_ptrs = dict(
         counts_ptr="*i32", out_ptr="*i32", buf_local="*i32", buf_table="*i64",
@@ -170,7 +171,7 @@ _SCRIPT = textwrap.dedent(
             W=2, HAS_BIAS=True, EVEN_K=True, ES=2, BM=128, BN=256, BK=64, GROUP_M=8,
             USE_TIMER=True, TRACE=False, A_TMA=True, B_MODE=1, FLAT=False), nv)
         build_put(moe_layer1._combine_kernel, tc, dict(
-            W=2, HAS_W=True, SAVE_O=True, BT=32, BN=256, USE_TIMER=True), nv, warps=4,
+            K_top=2, W=2, HAS_W=True, SAVE_O=True, BT=32, BN=256, USE_TIMER=True), nv, warps=4,
             stages=2)
         n += 2
     g_ptrs = dict(x_ptr="*" + dt, recv_ptr="*" + dt, tok_ptr="*i32", scale_ptr="*fp32",

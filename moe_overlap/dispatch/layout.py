@@ -141,6 +141,12 @@ def build_layout(
     max_tokens_per_rank: int | None = None,
 ) -> Layout:
     """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
+    if world.world_size == 1:
+        return _build_layout_one_rank(topk_ids, num_experts, block_m, max_tokens_per_rank)
+    return _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank)
+
+
+def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank) -> Layout:
     device = topk_ids.device
     W, rank, E = world.world_size, world.rank, num_experts
     El = E // W
@@ -293,6 +299,99 @@ def build_layout(
         slice_cnt=my_cnt.to(i32).contiguous(),
         n_tiles=n_tiles,
         recv_rows=my_tot.to(i32),
+    )
+
+
+def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
+    """:func:`build_layout` at one rank, in a third of its device ops (no exchange, no remote
+    chunks, one source per expert): the layout is host-bound on small-expert shapes (measured
+    on the H200, qwen3-30b-a3b: 176 small ops in the general form). Same fields, same values,
+    except ``chunks``, which no kernel reads at one rank (``n_chunks`` is 0), is all zeros.
+
+    Sizing: with ``max_tokens_per_rank`` unset the sizes are still taken without a host sync
+    when the padding bound ``E * (block_m - 1)`` is at most a quarter of ``T * K`` (rows past
+    the real ones are tail padding, which every kernel skips by ``n_tiles``): the sync stalls
+    the GPU until the host has issued the rest of the layer (on the H200, qwen3-30b-a3b:
+    15.5 ms exact against 12.6 ms static forward+backward). Otherwise exact, one sync."""
+    device = topk_ids.device
+    T, K = topk_ids.shape
+    TK = T * K
+    i32 = torch.int32
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    valid = ids >= 0
+    key = torch.where(valid, ids, E)
+    order = torch.sort(key, stable=True).indices
+    # scatter_add, not bincount: bincount sizes its output from a host read of the max
+    cnt = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    cnt = cnt.scatter_add_(0, key, torch.ones_like(key))[:E]
+    ends = torch.cumsum(cnt, 0)
+    n_kept = ends[-1:]
+    slot_of = torch.full((TK,), -1, dtype=i32, device=device)
+    slot_of.scatter_(0, order, torch.arange(TK, dtype=i32, device=device))
+    slot_of = torch.where(valid, slot_of, -1)
+    ptot = (cnt + block_m - 1) // block_m * block_m
+    pend = torch.cumsum(ptot, 0)
+    base = pend - ptot
+    rows_pad = pend[-1:]
+
+    bound = _cdiv(TK + E * (block_m - 1), block_m) * block_m
+    if max_tokens_per_rank is not None:
+        Tm = int(max_tokens_per_rank)
+        rows_cap = _cdiv(Tm * K + E * (block_m - 1), block_m) * block_m
+        slots_cap = Tm * K
+        chunks_cap = _cdiv(Tm * K, CHUNK) + E
+    elif 4 * E * (block_m - 1) <= TK:
+        rows_cap, slots_cap, chunks_cap = bound, TK, 1
+    else:  # the one host sync of exact sizing
+        rows_cap, slots_cap = (int(v) for v in torch.cat([rows_pad, n_kept]).cpu().tolist())
+        chunks_cap = 1
+
+    # rows: expert l's real rows, its padding, then the tail (segment E: the last expert's)
+    seg_id = torch.repeat_interleave(
+        torch.arange(E + 1, device=device),
+        torch.cat([ptot, (rows_cap - rows_pad).clamp(min=0)]),
+        output_size=rows_cap,
+    )
+    zero = cnt.new_zeros(1)
+    row_l = seg_id.clamp(max=E - 1)
+    in_slice = torch.arange(rows_cap, device=device) - torch.cat([base, rows_pad])[seg_id]
+    is_local = in_slice < torch.cat([cnt, zero])[seg_id]
+    j_local = torch.cat([ends - cnt, zero])[seg_id] + in_slice
+    if TK > 0:
+        tok = torch.where(is_local, order.gather(0, j_local.clamp(0, TK - 1)) // K, -2)
+    else:
+        tok = torch.full_like(in_slice, -2)
+    cnt32 = cnt.to(i32)
+    return Layout(
+        world_size=1,
+        rank=0,
+        num_experts=E,
+        local_experts=E,
+        top_k=K,
+        num_tokens=T,
+        block_m=block_m,
+        rows_cap=rows_cap,
+        rows_cap_max=rows_cap,
+        slots_cap_max=max(slots_cap, 1),
+        chunks_cap=chunks_cap,
+        tiles_cap=max(rows_cap // block_m, 1),
+        counts=cnt32,
+        cnt_all=cnt32.view(1, E),
+        sorted_assign=order.to(i32),
+        slot_of=slot_of,
+        n_kept=n_kept.to(i32).view(1),
+        chunks=torch.zeros(chunks_cap, 5, dtype=i32, device=device),
+        n_chunks=torch.zeros(1, dtype=i32, device=device),
+        row_tok=tok.to(i32),
+        row_src=torch.where(is_local, 0, -1).to(i32),
+        row_local_expert=row_l.to(i32),
+        row_slot=torch.where(is_local, j_local, -1).to(i32),
+        expert_end=(base + cnt).to(i32),
+        expert_start=base.to(i32),
+        slice_off=base.to(i32).view(1, E),
+        slice_cnt=cnt32.view(1, E),
+        n_tiles=(rows_pad // block_m).to(i32).view(1),
+        recv_rows=cnt32,
     )
 
 

@@ -565,7 +565,10 @@ def _launch_layer1(
     total = layout.tiles_cap * n_n
     n_gemm = _programs(world, total)
     BT = 16 if interpreted() else 32
-    n_red_tiles = -(-T // BT) * n_n
+    # The reduction waits per GEMM column tile at W > 1, so it tiles columns alike; at one rank
+    # narrower tiles keep the unrolled top-k loads in registers.
+    red_bn = cfg["BN"] if W > 1 or interpreted() else 128
+    n_red_tiles = -(-T // BT) * -(-H // red_bn)
     # Persistent reduction programs only where they wait for peers (they must then fit beside
     # the GEMM's); one rank launches one program per tile: the reduction is a latency-bound
     # gather, and 132 programs of 4 warps left most of each SM idle.
@@ -648,13 +651,13 @@ def _launch_layer1(
                 world.wait_budget,
                 T,
                 H,
-                K,
                 y.stride(0),
+                K_top=K,
                 W=W,
                 HAS_W=weights is not None,
                 SAVE_O=copy_o,
                 BT=BT,
-                BN=cfg["BN"],
+                BN=red_bn,
                 USE_TIMER=world.use_timer,
                 num_warps=4,
                 **red_put,

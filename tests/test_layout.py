@@ -1,0 +1,63 @@
+"""The one-rank routing layout (``_build_layout_one_rank``) against the general one at W = 1."""
+
+import pytest
+import torch
+
+from moe_overlap.dispatch import layout as L
+from moe_overlap.world import init_world
+
+FIELDS = (
+    "counts", "cnt_all", "sorted_assign", "slot_of", "n_kept", "n_chunks", "row_tok",
+    "row_src", "row_local_expert", "row_slot", "expert_end", "expert_start", "slice_off",
+    "slice_cnt", "n_tiles", "recv_rows",
+)  # fmt: skip
+
+
+def _ids(T, E, K, routing, seed):
+    g = torch.Generator().manual_seed(seed)
+    if routing == "hot":  # every assignment on one expert (ids may repeat within a token)
+        return torch.full((T, K), E - 1, dtype=torch.int64)
+    ids = torch.randint(0, E, (T, K), generator=g)  # repeats allowed, K may exceed E
+    if routing == "drop":
+        ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    if routing == "empty":  # experts 0 and E-1 get nothing
+        ids = ids % max(E - 2, 1) + 1 if E > 2 else ids
+    return ids
+
+
+@pytest.mark.parametrize("T,E,K,bm", [(0, 4, 2, 16), (1, 1, 1, 16), (37, 8, 3, 16),
+                                      (300, 4, 8, 16), (64, 5, 2, 128)])  # fmt: skip
+@pytest.mark.parametrize("routing", ["uniform", "drop", "hot", "empty"])
+@pytest.mark.parametrize("static", [False, True])
+def test_one_rank_layout_equals_general(T, E, K, bm, routing, static):
+    world = init_world()
+    ids = _ids(T, E, K, routing, seed=T + E)
+    tm = T + 3 if static else None
+    fast = L._build_layout_one_rank(ids, E, bm, tm)
+    gen = L._build_layout_world(ids, E, world, bm, tm)
+    if not static and fast.rows_cap != gen.rows_cap:
+        # the sync-free bound: the general layout's rows are a prefix of the fast one's
+        assert 4 * E * (bm - 1) <= T * K and fast.rows_cap >= gen.rows_cap
+        assert fast.slots_cap_max >= gen.slots_cap_max
+    else:
+        assert (fast.rows_cap, fast.slots_cap_max, fast.chunks_cap, fast.tiles_cap) == (
+            gen.rows_cap, gen.slots_cap_max, gen.chunks_cap, gen.tiles_cap)  # fmt: skip
+    R = gen.rows_cap
+    for f in FIELDS:
+        a, b = getattr(fast, f), getattr(gen, f)
+        assert a.dtype == b.dtype, f
+        if f in ("row_tok", "row_src", "row_local_expert", "row_slot"):
+            assert torch.equal(a[:R], b[:R]), f
+            # rows past the general layout's are tail padding of the last expert
+            assert (a[R:] == {"row_tok": -2, "row_src": -1, "row_slot": -1,
+                              "row_local_expert": E - 1}[f]).all(), f  # fmt: skip
+        else:
+            assert torch.equal(a, b), f
+
+
+def test_one_rank_layout_sizes_without_sync_only_when_padding_is_small():
+    ids = _ids(512, 8, 2, "uniform", 0)
+    small = L._build_layout_one_rank(ids, 8, 16, None)  # 8 * 15 * 4 <= 1024: bound
+    assert small.rows_cap == -(-(1024 + 8 * 15) // 16) * 16
+    big = L._build_layout_one_rank(ids[:20], 8, 16, None)  # 40 rows: exact
+    assert big.rows_cap == int(((big.counts.long() + 15) // 16 * 16).sum())
