@@ -21,7 +21,11 @@ In the backward (``DACT`` = the forward's activation code) the same kernel compu
 ``d h = (dy * w) @ w2`` and its epilogue applies the activation's derivative to the saved
 pre-activations, writing ``d gu [R, 2F]`` directly. Measured on the H200 (Mixtral-8x7B, 16k
 tokens): the unfused fp32 torch version of that step moved ~60 GB; fusing it took the layer's
-forward+backward from 90.2 to 73.2 ms.
+forward+backward from 90.2 to 73.2 ms. That epilogue loads the saved gate and up tiles beside
+the accumulator, so its block config is its own (``layer0_config("dact")``): at the forward's
+plain-GEMM 128x256 it spilled, 18.5 ms for 3.85 TFLOP (208 TFLOP/s); 128x128, 4 stages: 7.5-8.0
+ms (481-515 TFLOP/s; ``torch._grouped_mm`` on the same GEMM 5.8 ms), qwen3-30b-a3b 1.21 ms
+against 3.7 (``tests/gpu/sweep_bwd.py``, 2026-12-03; 3 stages 9.3 ms, 4 warps 19.1 ms).
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
