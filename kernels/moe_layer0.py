@@ -38,7 +38,10 @@ tiles, tuned GROUP_M 16, the CLI's interleaved rotating-input timing): 13.39 ms,
 qwen3-30b-a3b 0.938x, deepseek-v3 0.993x (BENCHMARKS.md). Before TMA (2026-12-02): 0.84x.
 With the A rows staged contiguously at one rank and loaded by TMA (``A_TMA``, same day):
 12.16 ms, 633 TFLOP/s, 1.000x grouped_mm; qwen3 0.907x, deepseek-v3 1.064x. Flattening the
-tile loop into the K loop (``FLAT``, a win for layer 1) cost it: 0.779x.
+tile loop into the K loop (``FLAT``, a win for layer 1) cost it: 0.779x. Inference at
+narrow GEMMs (2F < 2048, qwen3) keeps pointer loads of the gathered rows instead, since the
+staging pass costs the same bytes whatever the width: qwen3 0.94-1.02x in two calls that evening;
+every preset 0.917-1.065x (BENCHMARKS.md).
 Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
 Compute-bound (7.7 TFLOP vs 3.1 GB moved); the gap is kernel efficiency, not the gather
 (BENCHMARKS.md).

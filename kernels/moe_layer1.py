@@ -28,6 +28,15 @@ tiles, flattened tile loop, the CLI's interleaved rotating-input timing): GEMM +
 5.83 ms, 660 TFLOP/s: 1.013x ``torch._grouped_mm`` on the same GEMM alone (5.91 ms) and 1.18x
 the fastest unfused pipeline; qwen3-30b-a3b 0.874x (its combine kernel is ~27% of the time at
 H 2048, K 8), deepseek-v3 1.065x (BENCHMARKS.md).
+
+The reduction at one rank (no waits) runs one program per token x 128-column tile, its top-k
+loop unrolled (``K_top`` constexpr): 132 persistent programs of 4 warps, rolled, left it
+latency-bound. Measured the same evening (qwen3-30b-a3b): 0.37 ms (with the row copy the
+backward then needed; one rank now keeps the GEMM's buffer instead) -> 0.175 ms; layer 1
+0.936x grouped_mm at qwen3, 0.917x at olmoe, 0.99-1.09x on the other five presets. What is
+left at the top-8 H-2048 shapes is the reduction's own traffic (``T x K x H`` rows read once),
+which the floor does not have. At W > 1 the reduction stays persistent and tiled like the GEMM:
+it waits per GEMM column tile.
 """
 
 import triton

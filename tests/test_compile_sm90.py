@@ -83,10 +83,19 @@ _SCRIPT = textwrap.dedent(
         types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
-            # the backward's staged rows carry the scale already (ROW_SCALE off)
-            HAS_SCALE=scale, ROW_SCALE=scale and not flat, EVEN_K=True, BM=128, BN=128,
+            HAS_SCALE=scale, ROW_SCALE=scale, EVEN_K=True, BM=128, BN=128,
             BK=64, CH=64, BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact,
             B_MODE=mode, A_TMA=True, FLAT=flat))
+        n += 1
+    # the one-rank backward's dispatch GEMM as launched: staged rows that carry the scale
+    # already (ROW_SCALE off), no trace, unflattened, the "dact" config (4 stages)
+    for dact in (0, 1):
+        types = dict(t0, w_desc=desc[2], a_desc=f"tensordesc<{dt}[128, 64]>")
+        build(moe_layer0._layer0_kernel, types, dict(
+            W=1, El=4, ROLE=0, ACT=4, HAS_BIAS=False, SAVE_GU=False, HAS_SCALE=True,
+            ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128, GROUP_M=8,
+            USE_TIMER=True, TRACE=False, DACT=dact, B_MODE=2, A_TMA=True, FLAT=False),
+            stages=4)
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",

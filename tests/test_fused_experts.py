@@ -753,3 +753,21 @@ def test_backward_never_reads_unwritten_rows(case, nan_filled_empty):
     prob = make_problem(case)
     got = run_fused(prob, max_tokens_per_rank=16)
     check_against_reference(prob, got)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (64,), 24, 20, 2, 2, "swiglu", True, "drop"),
+        Case(1, (60,), 13, 7, 3, 3, "gelu", True, "uniform"),
+        Case(1, (64,), 33, 7, 4, 4, "relu", False, "hot"),
+    ],
+    ids=str,
+)
+def test_one_rank_sync_free_sizing_never_reads_unwritten_rows(case, nan_filled_empty):
+    # Enough assignments that one rank sizes its layout from the padding bound without a host
+    # sync (4 E (BLOCK_M - 1) <= T K): tail rows past the last tile, never written.
+    prob = make_problem(case)
+    T, K, E = case.tokens[0], case.K, case.E
+    assert 4 * E * 15 <= T * K  # BLOCK_M 16 in the interpreter
+    check_against_reference(prob, run_fused(prob))

@@ -13,8 +13,27 @@ def test_tune_returns_a_joint_config_with_one_block_m():
     cfg = spawn(2, lambda w: tuning.tune("moe", shape, torch.float32, w))[0]
     assert cfg["l0"]["BM"] == cfg["l1"]["BM"]
     assert set(cfg["l0"]) == {"BM", "BN", "BK", "num_warps", "num_stages", "GM"}
-    assert set(cfg["candidates_ms"]) == {"layer0", "layer1"}
+    assert set(cfg["candidates_ms"]) == {"layer0", "layer1", "backward_dispatch"}
     assert cfg["ms"]["layer0"] > 0 and cfg["ms"]["layer1"] > 0
+    # the backward's dispatch GEMM gets its own config, at the pair's BLOCK_M
+    assert cfg["l0b"]["BM"] == cfg["l0"]["BM"] and cfg["ms"]["backward_dispatch"] > 0
+
+
+def test_pinned_backward_dispatch_config_is_used(monkeypatch):
+    from moe_overlap.experts import fused
+
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
+    pin = {
+        "l0": dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, GM=16),
+        "l1": dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3, GM=8),
+        "l0b": dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, GM=8),
+    }
+    assert fused.layer0_config("dact", 2, pin) == pin["l0b"]
+    del pin["l0b"]  # older tables: the measured default, never the forward's config
+    dflt = fused.layer0_config("dact", 2, pin)
+    assert (dflt["BM"], dflt["BN"], dflt["num_stages"]) == (128, 128, 4)
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,128,64,8,3,16")
+    assert fused.layer0_config("dact", 2, pin)["num_stages"] == 3
 
 
 def test_pinned_lookup_matches_shape_and_ignores_tokens(tmp_path, monkeypatch):

@@ -22,9 +22,11 @@ Forward of ``fused_experts`` on rank r (every step a kernel or torch op on the d
    combine buffers and bumps per-column counters; then the deterministic weighted reduction.
 
 Backward (mirrored roles, same kernels):
-  * layer 1: ``d topk_weights = <dy, o>`` from the rows the reduction saved; ``dy * w`` is
-    *dispatched* by the layer-0 kernel into a GEMM with ``w2`` (-> d h), and
-    ``d w2 = g^T h`` is a grouped weight-gradient GEMM;
+  * layer 1: ``d topk_weights = <dy, o>`` (``kernels/row_dot.py``) from the rows layer 1
+    saved (the reduction's copy at W > 1; at one rank the GEMM's own row buffer); ``dy * w`` is
+    *dispatched* by the layer-0 kernel into a GEMM with ``w2`` (-> d h; its own block config,
+    ``layer0_config("dact")``), and ``d w2 = g^T h`` is a grouped weight-gradient GEMM (one
+    rank: the gathered ``g`` rows are the dispatch GEMM's TMA operand too);
   * activation backward from the saved pre-activations;
   * layer 0: ``d gu @ w1`` is computed by the layer-1 kernel and *combined* back to the source
     ranks (unweighted), ``d w1 = d gu^T x`` is a grouped weight-gradient GEMM.
@@ -827,6 +829,19 @@ def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
     return y, saved
 
 
+def _bwd_row_scale(layout: Layout, wflat, row_slot) -> torch.Tensor:
+    """``[R]`` fp32: the combine weight of each local row (its dy row is scaled by it), 1 for
+    rows peers send (already scaled there), 0 for padding."""
+    tok = layout.row_tok.long()
+    if wflat.numel():
+        j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
+        a_local = layout.sorted_assign.long().index_select(0, j_local)
+        w_local = wflat.float().index_select(0, a_local)
+    else:
+        w_local = torch.zeros_like(tok, dtype=torch.float32)
+    return torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+
+
 def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None):
     """Backward of the combine and the activation: dispatch ``dy * w`` into a GEMM with ``w2``
     (-> d h) whose epilogue applies ``act``'s derivative at the saved ``gu`` -> ``d gu``
@@ -885,6 +900,9 @@ def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws
         )
         d_gu = torch.empty_like(saved["gu"])
         _bwd_combine(d_gu, layout, w1, world, saved["row_slot"], ws, x.shape[1])
+        # the backward's other kernels too: the first of them runs while peers may still spin
+        _weights_grad(saved["o"], torch.empty_like(x), layout)
+        _gather_rows(layout, torch.empty_like(x), ws.recv, row_scale=row_scale)
 
 
 def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
@@ -908,14 +926,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     d_w = _weights_grad(o, dy, layout).view(T, K)
 
     # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
-    tok = layout.row_tok.long()
-    if wflat.numel():
-        j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
-        a_local = layout.sorted_assign.long().index_select(0, j_local)
-        w_local = wflat.float().index_select(0, a_local)
-    else:
-        w_local = torch.zeros_like(tok, dtype=torch.float32)
-    row_scale = torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+    row_scale = _bwd_row_scale(layout, wflat, row_slot)
     # Padding rows are zero in g_rows (gathered) and in h (layer 0's epilogue writes them): the
     # grouped wgrad can take whole padded expert ranges without a masking pass.
     if world.world_size == 1:

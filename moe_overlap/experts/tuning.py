@@ -8,7 +8,10 @@ and top-k (any token count: the best tile shape depends on the GEMM's N and K fa
 M), so a benchmark or training run never spends its minutes tuning.
 
 One config covers both layers: layer 0 and layer 1 share BLOCK_M (experts are padded to it in
-the routing layout); their N/K blocks, warps and stages are separate.
+the routing layout); their N/K blocks, warps and stages are separate. ``--op moe`` also tunes
+the backward's dispatch GEMM (``"l0b"``, same BLOCK_M): its epilogue loads the saved
+pre-activations, so the forward's best tile is not its best. Tables written before it existed
+have no ``"l0b"``; the backward then takes the measured default of ``layer0_config("dact")``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ L1_CANDIDATES = [
     (128, 256, 64, 8, 3, 16),
     (128, 128, 64, 8, 4, 8),
     (128, 128, 64, 4, 4, 8),
+    (64, 128, 64, 4, 4, 8),
+]
+
+# The backward's dispatch GEMM (one accumulator; its epilogue also loads the saved gate and up
+# tiles, so wide tiles spill): measured on the H200, 128x256 ran at 208 TFLOP/s, 128x128 at 481.
+L0B_CANDIDATES = [
+    (128, 128, 64, 8, 4, 8),
+    (128, 128, 64, 8, 4, 16),
+    (128, 128, 64, 8, 3, 8),
+    (128, 64, 64, 4, 4, 8),
     (64, 128, 64, 4, 4, 8),
 ]
 
@@ -157,7 +170,7 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             if best is None or score < best[0]:
                 best = (score, c0, c1, t0, t1)
     _, c0, c1, t0, t1 = best
-    return {
+    out = {
         "l0": _as_cfg(c0),
         "l1": _as_cfg(c1),
         "ms": {"layer0": t0, "layer1": t1},
@@ -166,3 +179,39 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             "layer1": {",".join(map(str, c)): round(t, 4) for c, t in t1s.items()},
         },
     }
+    if op == "moe":
+        # The backward's dispatch GEMM, at the pair's BLOCK_M, on the pair's layout and saved
+        # pre-activations (fused_experts' backward then reads it as "l0b").
+        lb = [c for c in L0B_CANDIDATES if c[0] == c0[0]]
+        if dev.type != "cuda":
+            lb = lb[:1]
+        env = {}
+        if dev.type == "cuda":
+            env = {"MOE_OVERLAP_L0_CONFIG": ",".join(map(str, c0))}
+        tbs = {}
+        with _env(**env):
+            layout = fused.dispatch_layout(ids, E, world)
+            ws = fused._workspace(world, layout, H, dtype)
+            _, gu = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)
+            wflat = wts.contiguous().view(-1)
+            row_scale = fused._bwd_row_scale(layout, wflat, fused._row_slots(layout, ws.slot))
+            dy = (torch.randn(T, H, generator=g) * 0.5).to(dev, dtype)
+            a_rows = None
+            if world.world_size == 1:
+                a_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+            for cb in lb:
+                benv = {"MOE_OVERLAP_L0B_CONFIG": ",".join(map(str, cb))}
+                with _env(**(benv if dev.type == "cuda" else {})):
+                    tbs[cb] = timed(
+                        lambda: fused._bwd_dispatch(
+                            dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows
+                        )
+                    )
+        if tbs:
+            cb = min(tbs, key=tbs.get)
+            out["l0b"] = _as_cfg(cb)
+            out["ms"]["backward_dispatch"] = tbs[cb]
+            out["candidates_ms"]["backward_dispatch"] = {
+                ",".join(map(str, c)): round(t, 4) for c, t in tbs.items()
+            }
+    return out
