@@ -334,14 +334,14 @@ def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
     base = pend - ptot
     rows_pad = pend[-1:]
 
-    bound = _cdiv(TK + E * (block_m - 1), block_m) * block_m
     if max_tokens_per_rank is not None:
         Tm = int(max_tokens_per_rank)
         rows_cap = _cdiv(Tm * K + E * (block_m - 1), block_m) * block_m
         slots_cap = Tm * K
         chunks_cap = _cdiv(Tm * K, CHUNK) + E
     elif 4 * E * (block_m - 1) <= TK:
-        rows_cap, slots_cap, chunks_cap = bound, TK, 1
+        rows_cap = _cdiv(TK + E * (block_m - 1), block_m) * block_m
+        slots_cap, chunks_cap = TK, 1
     else:  # the one host sync of exact sizing
         rows_cap, slots_cap = (int(v) for v in torch.cat([rows_pad, n_kept]).cpu().tolist())
         chunks_cap = 1

@@ -43,10 +43,7 @@ def run(name):
     ws = fused._workspace(world, layout, H, x.dtype)
     _, gu = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)
     wflat = wts.contiguous().view(-1)
-    tok = layout.row_tok.long()
-    j = torch.where(tok >= 0, layout.row_slot.long(), torch.zeros_like(tok))
-    w_local = wflat.float().index_select(0, layout.sorted_assign.long().index_select(0, j))
-    row_scale = torch.where(tok >= 0, w_local, torch.zeros_like(w_local))
+    row_scale = fused._bwd_row_scale(layout, wflat, fused._row_slots(layout, ws.slot))
     g_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
     M = int((layout.expert_end - layout.expert_start).sum())
     flop = 2 * M * H * F
