@@ -288,6 +288,30 @@ def _put_chunk(
     )
 
 
+@triton.jit
+def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr):
+    """Backward epilogue of one column slice: ``h [BM, n]`` is d(act output) at ``cols``;
+    ``pre_rows`` / ``dst_rows`` ``[BM, 1]`` point at the tile's rows of the saved
+    pre-activations and of ``d pre`` (gate half, then the up half at ``+ N`` under SwiGLU).
+    Padding rows are written as zeros: the grouped wgrads read whole padded expert ranges, and
+    this saves a masking pass over ``[R, 2F]``."""
+    cmask = cols < N
+    keep = rmask[:, None]
+    g = tl.load(pre_rows + cols[None, :], mask=keep & cmask[None, :], other=0.0).to(tl.float32)
+    dst = dst_rows + cols[None, :]
+    if DACT == 0:
+        u = tl.load(pre_rows + N + cols[None, :], mask=keep & cmask[None, :], other=0.0)
+        u = u.to(tl.float32)
+        sg = tl.sigmoid(g)
+        d_g = tl.where(keep, h * u * sg * (1.0 + g * (1.0 - sg)), 0.0)
+        d_u = tl.where(keep, h * g * sg, 0.0)
+        tl.store(dst, d_g.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
+        tl.store(dst + N, d_u.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
+    else:
+        d = tl.where(keep, act_grad(h, g, DACT), 0.0)
+        tl.store(dst, d.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -349,6 +373,7 @@ def _layer0_kernel(
     USE_TIMER: tl.constexpr,
     TRACE: tl.constexpr,
     DACT: tl.constexpr = -1,
+    EPI_SUB: tl.constexpr = 1,
     B_MODE: tl.constexpr = 0,
     A_TMA: tl.constexpr = False,
     FLAT: tl.constexpr = False,
@@ -586,23 +611,26 @@ def _layer0_kernel(
                     mask=cmask[None, :],
                 )
             else:
-                # Backward epilogue: h is d(act output); gu_ptr holds the saved pre-activations.
-                # Padding rows of the tile are written as zeros: the grouped wgrads read whole
-                # padded expert ranges, and this saves a masking pass over [R, 2F].
-                pre = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-                g = tl.load(pre, mask=omask, other=0.0).to(tl.float32)
-                keep = rmask[:, None]
-                dst = out_ptr + rows64[:, None] * stride_om + cols[None, :]
-                if DACT == 0:
-                    u = tl.load(pre + N, mask=omask, other=0.0).to(tl.float32)
-                    sg = tl.sigmoid(g)
-                    d_g = tl.where(keep, h * u * sg * (1.0 + g * (1.0 - sg)), 0.0)
-                    d_u = tl.where(keep, h * g * sg, 0.0)
-                    tl.store(dst, d_g.to(out_ptr.dtype.element_ty), mask=cmask[None, :])
-                    tl.store(dst + N, d_u.to(out_ptr.dtype.element_ty), mask=cmask[None, :])
+                # backward: d pre from h = d(act output) and the saved pre-activations
+                pre_rows = gu_ptr + rows64[:, None] * stride_gm
+                dst_rows = out_ptr + rows64[:, None] * stride_om
+                c = nt * BN + tl.arange(0, BN // EPI_SUB)
+                if EPI_SUB == 1:
+                    _dact_store(h, c, pre_rows, dst_rows, rmask, N, DACT)
                 else:
-                    d = tl.where(keep, act_grad(h, g, DACT), 0.0)
-                    tl.store(dst, d.to(out_ptr.dtype.element_ty), mask=cmask[None, :])
+                    # The saved gate/up tiles of a 128x256 block beside its accumulator spill,
+                    # so a sliced epilogue loads them one column slice at a time.
+                    h0, h1 = tl.split(tl.permute(tl.reshape(h, (BM, 2, BN // 2)), (0, 2, 1)))
+                    if EPI_SUB == 2:
+                        _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT)
+                        _dact_store(h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT)
+                    else:
+                        h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
+                        h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))
+                        _dact_store(h00, c, pre_rows, dst_rows, rmask, N, DACT)
+                        _dact_store(h01, c + BN // 4, pre_rows, dst_rows, rmask, N, DACT)
+                        _dact_store(h10, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT)
+                        _dact_store(h11, c + 3 * (BN // 4), pre_rows, dst_rows, rmask, N, DACT)
             if TRACE:
                 t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
                 trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_wait, t_end)

@@ -259,6 +259,24 @@ def test_forward_backward_matches_reference(case):
     check_against_reference(prob, got)
 
 
+@pytest.mark.parametrize("epi", [2, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (9,), 13, 20, 4, 2, "swiglu", True, "hot"),  # F 20: one ragged 32-wide N tile
+        Case(1, (11,), 24, 40, 5, 3, "gelu", False, "zipf"),  # F 40: a full and a ragged tile
+        Case(2, (7, 4), 13, 40, 4, 2, "swiglu", False, "uniform"),
+    ],
+    ids=str,
+)
+def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
+    # The backward's dispatch GEMM at BN 32 with its epilogue in 2 or 4 column slices (the
+    # GPU's 128x256 configs): slices past F are masked, the rest must match the reference.
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,32,16,4,1,8,{epi}")
+    prob = make_problem(case)
+    check_against_reference(prob, run_fused(prob))
+
+
 @pytest.mark.parametrize("expert", [2, 5])  # local to rank 1, or on rank 2
 def test_one_assignment_in_the_whole_world(expert):
     # Every id -1 but one: most experts and ranks empty, dropped tokens give exactly 0.

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from moe_overlap.experts import tuning
@@ -31,9 +32,15 @@ def test_pinned_backward_dispatch_config_is_used(monkeypatch):
     assert fused.layer0_config("dact", 2, pin) == pin["l0b"]
     del pin["l0b"]  # older tables: the measured default, never the forward's config
     dflt = fused.layer0_config("dact", 2, pin)
-    assert (dflt["BM"], dflt["BN"], dflt["num_stages"]) == (128, 128, 4)
+    assert (dflt["BM"], dflt["BN"], dflt["num_stages"], dflt["EPI"]) == (128, 256, 3, 4)
     monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,128,64,8,3,16")
     assert fused.layer0_config("dact", 2, pin)["num_stages"] == 3
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,256,64,8,3,16,2")
+    assert fused.layer0_config("dact", 2, pin)["EPI"] == 2
+    for bad in ("128,256,64,8,3,16,3", "128,16,64,8,3,16,4", "128,256,64,8,3,16,2,1"):
+        monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", bad)
+        with pytest.raises(ValueError, match="MOE_OVERLAP_L0B_CONFIG"):
+            fused.layer0_config("dact", 2, pin)
 
 
 def test_pinned_lookup_matches_shape_and_ignores_tokens(tmp_path, monkeypatch):

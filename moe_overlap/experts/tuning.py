@@ -43,13 +43,17 @@ L1_CANDIDATES = [
 ]
 
 # The backward's dispatch GEMM (one accumulator; its epilogue also loads the saved gate and up
-# tiles, so wide tiles spill): measured on the H200, 128x256 ran at 208 TFLOP/s, 128x128 at 481.
+# tiles). The 7th field slices that epilogue into column pieces so 128x256 does not spill:
+# measured on the H200 (tests/gpu/sweep_bwd.py, mixtral-8x7b / qwen3-30b-a3b / deepseek-v3),
+# 128x256 in 4 slices 6.65 / 0.875 / 4.01 ms, in 2 slices 6.67 / 0.897 / 4.06, 128x128
+# unsliced 7.96 / 1.205 / 4.64, 128x256 unsliced 16.6 / 3.3 (spilled).
 L0B_CANDIDATES = [
+    (128, 256, 64, 8, 3, 8, 4),
+    (128, 256, 64, 8, 3, 8, 2),
+    (128, 256, 64, 8, 3, 16, 4),
+    (128, 256, 64, 8, 4, 8, 4),
     (128, 128, 64, 8, 4, 8),
-    (128, 128, 64, 8, 4, 16),
-    (128, 128, 64, 8, 3, 8),
-    (128, 64, 64, 4, 4, 8),
-    (64, 128, 64, 4, 4, 8),
+    (64, 256, 64, 4, 3, 8, 4),
 ]
 
 
@@ -86,7 +90,10 @@ def pinned(device: torch.device, dtype: torch.dtype, H: int, F: int, E: int, K: 
 
 
 def _as_cfg(c):
-    return dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], GM=c[5])
+    cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], GM=c[5])
+    if len(c) > 6:
+        cfg["EPI"] = c[6]  # the backward epilogue's column slices
+    return cfg
 
 
 @contextlib.contextmanager

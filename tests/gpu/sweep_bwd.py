@@ -2,6 +2,7 @@
 its epilogue), timed alone on one GPU (not a pytest file).
 
 python tests/gpu/sweep_bwd.py [preset ...]   # default mixtral-8x7b qwen3-30b-a3b
+SWEEP_CONFIGS="128,256,64,8,3,8,4 ..." picks the configs (BM,BN,BK,warps,stages,GROUP_M[,EPI]).
 Prints, per preset and config (``MOE_OVERLAP_L0B_CONFIG``), the median of
 ``triton.testing.do_bench`` and the rate on the GEMM's FLOPs, next to ``torch._grouped_mm`` on the
 same rows, and checks every config's ``d gu`` against the first one's.
@@ -17,13 +18,17 @@ from moe_overlap.bench.presets import get_moe_shape
 from moe_overlap.experts import fused, tuning
 from moe_overlap.world import init_world
 
-CONFIGS = (
+CONFIGS = os.environ.get("SWEEP_CONFIGS", "").split() or (
     "128,128,64,8,4,8",
     "128,128,64,8,3,8",
     "128,128,64,8,4,16",
     "128,128,64,4,4,8",
     "128,64,64,4,4,8",
     "128,256,64,8,3,8",
+    "128,256,64,8,3,8,2",
+    "128,256,64,8,3,8,4",
+    "128,256,64,8,4,8,4",
+    "128,128,64,8,4,8,2",
 )
 
 

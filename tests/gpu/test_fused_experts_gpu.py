@@ -262,6 +262,15 @@ def test_forward_backward(spec):
     check(prob, got, device, backward=True, tag=str(spec))
 
 
+@pytest.mark.parametrize("cfg", ["128,256,64,8,3,8,2", "128,256,64,8,3,8,4"])
+@pytest.mark.parametrize("spec", [BACKWARD[0], BACKWARD[2]], ids=lambda s: f"W{s[0]}-{s[6]}")
+def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
+    # The backward's dispatch GEMM at 128x256 with its epilogue in column slices, in bf16 (F
+    # 1000: the last 256-wide tile is ragged, its last slices fully masked).
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", cfg)
+    test_forward_backward(spec)
+
+
 # ------------------------------------------------------------------------------ delayed producers
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("where", ["op", "layer0", "layer1"])
