@@ -24,8 +24,12 @@ tokens): the unfused fp32 torch version of that step moved ~60 GB; fusing it too
 forward+backward from 90.2 to 73.2 ms. That epilogue loads the saved gate and up tiles beside
 the accumulator, so its block config is its own (``layer0_config("dact")``): at the forward's
 plain-GEMM 128x256 it spilled, 18.5 ms for 3.85 TFLOP (208 TFLOP/s); 128x128, 4 stages: 7.5-8.0
-ms (481-515 TFLOP/s; ``torch._grouped_mm`` on the same GEMM 5.8 ms), qwen3-30b-a3b 1.21 ms
-against 3.7 (``tests/gpu/sweep_bwd.py``, 2026-12-03; 3 stages 9.3 ms, 4 warps 19.1 ms).
+ms (481-515 TFLOP/s; ``torch._grouped_mm`` on the same GEMM 5.7-5.8 ms), qwen3-30b-a3b 1.21 ms
+against 3.7 (``tests/gpu/sweep_bwd.py``, 2026-12-03; 3 stages 9.3 ms, 4 warps 19.1 ms). With the
+epilogue in column slices (``EPI_SUB`` 2 or 4: the accumulator is split with reshape/permute/
+split and each slice loads only its own gate/up columns) 128x256 no longer spills: 4 slices,
+3 stages, 6.65 ms (579 TFLOP/s) at mixtral-8x7b, 0.875 ms at qwen3-30b-a3b (grouped_mm 0.757),
+4.01 ms at deepseek-v3 (grouped_mm 4.10); 2 slices 6.67 / 0.897 / 4.06 ms; the default now.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
