@@ -277,6 +277,35 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (9,), 13, 20, 4, 2, "swiglu", True, "zipf"),
+        Case(2, (6, 5), 13, 7, 4, 2, "gelu", False, "uniform"),
+    ],
+    ids=str,
+)
+def test_cached_dummy_arguments_are_never_read_or_written(case, monkeypatch):
+    # The launchers pass cached one-element tensors for pointers their constexpr flags never
+    # touch: poisoned, they must neither change a result nor be written.
+    poison = {
+        torch.int32: 123456789,
+        torch.int64: -987654321,
+        torch.float32: float("nan"),
+        torch.float16: float("nan"),
+    }
+    cache = {(torch.device("cpu"), dt): torch.full((1,), v, dtype=dt) for dt, v in poison.items()}
+    monkeypatch.setattr(fused, "_DUMMIES", cache)
+    prob = make_problem(case)
+    keys = set(cache)
+    check_against_reference(prob, run_fused(prob))
+    assert set(cache) == keys, f"the launchers made dummies of their own: {set(cache) - keys}"
+    for (_, dt), t in cache.items():
+        assert t.numel() == 1 and t.dtype == dt
+        v = t.item()
+        assert v == poison[dt] or (v != v and poison[dt] != poison[dt]), f"{dt} dummy written"
+
+
 @pytest.mark.parametrize("expert", [2, 5])  # local to rank 1, or on rank 2
 def test_one_assignment_in_the_whole_world(expert):
     # Every id -1 but one: most experts and ranks empty, dropped tokens give exactly 0.

@@ -270,8 +270,24 @@ def dispatch_layout(
     return layout
 
 
+_DUMMIES: dict = {}
+
+
 def _dummy(device, dtype=torch.int32):
-    return torch.zeros(1, dtype=dtype, device=device)
+    """A one-element stand-in for a pointer argument the kernel's constexpr flags never touch.
+
+    Cached per (device, dtype): a fused forward+backward passes ~22 of them, and each fresh one
+    was an allocation plus a fill launch on the host's critical path (the qwen3-30b-a3b layer
+    is close to host-bound, BENCHMARKS.md). Never cached while a CUDA graph is being captured:
+    a tensor from the graph's private pool must not outlive the graph in this cache."""
+    device = torch.device(device)
+    key = (device, dtype)
+    t = _DUMMIES.get(key)
+    if t is None:
+        t = torch.zeros(1, dtype=dtype, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _DUMMIES[key] = t
+    return t
 
 
 def _check_trace(trace, device):
@@ -837,15 +853,15 @@ def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
 
 def _bwd_row_scale(layout: Layout, wflat, row_slot) -> torch.Tensor:
     """``[R]`` fp32: the combine weight of each local row (its dy row is scaled by it), 1 for
-    rows peers send (already scaled there), 0 for padding."""
-    tok = layout.row_tok.long()
-    if wflat.numel():
-        j_local = torch.where(tok >= 0, row_slot.long(), torch.zeros_like(tok))
-        a_local = layout.sorted_assign.long().index_select(0, j_local)
-        w_local = wflat.float().index_select(0, a_local)
-    else:
-        w_local = torch.zeros_like(tok, dtype=torch.float32)
-    return torch.where(tok >= 0, w_local, torch.where(tok == -1, 1.0, 0.0).to(torch.float32))
+    rows peers send (already scaled there), 0 for padding. Seven small ops (it was twelve: on
+    the GPU each costs the host about as much as the GPU)."""
+    tok = layout.row_tok
+    sent = (tok == -1).to(torch.float32)
+    if not wflat.numel():
+        return sent
+    local = tok >= 0
+    a = layout.sorted_assign.index_select(0, torch.where(local, row_slot, 0))
+    return torch.where(local, wflat.index_select(0, a).to(torch.float32), sent)
 
 
 def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None):

@@ -13,6 +13,7 @@ import cProfile
 import os
 import pstats
 import sys
+import time
 
 import torch
 
@@ -62,6 +63,25 @@ def profile(name):
     fw.sort()
     bw.sort()
     print(f"== {name}: forward {fw[2]:.3f} ms, backward {bw[2]:.3f} ms (median of 5)")
+    # Host time alone: a queued GPU sleep keeps the GPU busy, so the host never waits on it
+    # (a hidden sync would show as ~100 ms here).
+    hf, hb = [], []
+    for _ in range(5):
+        for t in leaves:
+            t.grad = None
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)
+        t0 = time.perf_counter()
+        y = mo.fused_experts(x, ids, w, w1, w2)
+        t1 = time.perf_counter()
+        y.backward(dy)
+        t2 = time.perf_counter()
+        hf.append((t1 - t0) * 1e3)
+        hb.append((t2 - t1) * 1e3)
+        torch.cuda.synchronize()
+    hf.sort()
+    hb.sort()
+    print(f"   host only: forward {hf[2]:.3f} ms, backward {hb[2]:.3f} ms (median of 5)")
     if os.environ.get("PROFILE_PY") == "1":
         # Host side: where the Python time of five steps goes (a CPU-bound layer shows here).
         pr = cProfile.Profile()
@@ -79,6 +99,8 @@ def profile(name):
         sort_by="cuda_time_total", row_limit=22, max_name_column_width=70
     )
     print(table, flush=True)
+    n = sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
+    print(f"GPU kernels/copies in one forward+backward: {n}")
     # Kernels in launch order with their own durations: which call of a kernel is the slow one.
     print("kernels in order (>= 50 us):")
     for e in prof.events():
