@@ -30,6 +30,12 @@ epilogue in column slices (``EPI_SUB`` 2 or 4: the accumulator is split with res
 split and each slice loads only its own gate/up columns) 128x256 no longer spills: 4 slices,
 3 stages, 6.65 ms (579 TFLOP/s) at mixtral-8x7b, 0.875 ms at qwen3-30b-a3b (grouped_mm 0.757),
 4.01 ms at deepseek-v3 (grouped_mm 4.10); 2 slices 6.67 / 0.897 / 4.06 ms; the default now.
+``DW`` (one rank, no ``b2``): the epilogue also sums ``act(pre) * h`` per row into one partial
+per (slot, column tile), from which ``row_dot.weights_grad_from_partials`` gets the combine
+weights' gradient without re-reading layer 1's rows. It costs registers (Triton 3.9's ptxas,
+sm_90a, 4 slices: spill loads 2348 -> 3632 bytes per thread) and time: on the H200
+(2026-12-04) +0.09 ms at qwen3-30b-a3b against the 0.18 ms of ``row_dot`` it saves, +0.30 ms
+at mixtral-8x7b against ~0.08, so the host takes it only where ``F < H``.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
@@ -293,16 +299,18 @@ def _put_chunk(
 
 
 @triton.jit
-def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr):
+def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr, DW: tl.constexpr):
     """Backward epilogue of one column slice: ``h [BM, n]`` is d(act output) at ``cols``;
     ``pre_rows`` / ``dst_rows`` ``[BM, 1]`` point at the tile's rows of the saved
     pre-activations and of ``d pre`` (gate half, then the up half at ``+ N`` under SwiGLU).
     Padding rows are written as zeros: the grouped wgrads read whole padded expert ranges, and
-    this saves a masking pass over ``[R, 2F]``."""
+    this saves a masking pass over ``[R, 2F]``. Returns ``[BM]`` fp32: with ``DW`` the slice's
+    part of ``<act(pre), h>`` per row (the combine weights' gradient, scaled), else zeros."""
     cmask = cols < N
     keep = rmask[:, None]
     g = tl.load(pre_rows + cols[None, :], mask=keep & cmask[None, :], other=0.0).to(tl.float32)
     dst = dst_rows + cols[None, :]
+    p = tl.zeros((h.shape[0],), tl.float32)
     if DACT == 0:
         u = tl.load(pre_rows + N + cols[None, :], mask=keep & cmask[None, :], other=0.0)
         u = u.to(tl.float32)
@@ -311,9 +319,14 @@ def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr):
         d_u = tl.where(keep, h * g * sg, 0.0)
         tl.store(dst, d_g.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
         tl.store(dst + N, d_u.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
+        if DW:  # <silu(g) * u, h> = sum(d_u * u); masked loads gave u = 0 there
+            p = tl.sum(d_u * u, axis=1)
     else:
         d = tl.where(keep, act_grad(h, g, DACT), 0.0)
         tl.store(dst, d.to(dst_rows.dtype.element_ty), mask=cmask[None, :])
+        if DW:
+            p = tl.sum(apply_act(g, DACT) * h, axis=1)
+    return p
 
 
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
@@ -381,6 +394,9 @@ def _layer0_kernel(
     B_MODE: tl.constexpr = 0,
     A_TMA: tl.constexpr = False,
     FLAT: tl.constexpr = False,
+    dw_ptr=None,
+    dw_slot_ptr=None,
+    DW: tl.constexpr = False,
     put_mask_ptr=None,
     sig_local=None,
     sig_table=None,
@@ -620,21 +636,27 @@ def _layer0_kernel(
                 dst_rows = out_ptr + rows64[:, None] * stride_om
                 c = nt * BN + tl.arange(0, BN // EPI_SUB)
                 if EPI_SUB == 1:
-                    _dact_store(h, c, pre_rows, dst_rows, rmask, N, DACT)
+                    p = _dact_store(h, c, pre_rows, dst_rows, rmask, N, DACT, DW)
                 else:
                     # The saved gate/up tiles of a 128x256 block beside its accumulator spill,
                     # so a sliced epilogue loads them one column slice at a time.
                     h0, h1 = tl.split(tl.permute(tl.reshape(h, (BM, 2, BN // 2)), (0, 2, 1)))
                     if EPI_SUB == 2:
-                        _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT)
-                        _dact_store(h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT)
+                        p = _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT, DW)
                     else:
                         h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
                         h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))
-                        _dact_store(h00, c, pre_rows, dst_rows, rmask, N, DACT)
-                        _dact_store(h01, c + BN // 4, pre_rows, dst_rows, rmask, N, DACT)
-                        _dact_store(h10, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT)
-                        _dact_store(h11, c + 3 * (BN // 4), pre_rows, dst_rows, rmask, N, DACT)
+                        q = BN // 4
+                        p = _dact_store(h00, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(h01, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(h10, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(h11, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                if DW:
+                    # one partial per (slot, column tile): summed (and unscaled) by
+                    # row_dot.weights_grad_from_partials; padding rows have no slot
+                    sl = tl.load(dw_slot_ptr + rows, mask=rmask, other=-1)
+                    tl.store(dw_ptr + sl.to(tl.int64) * n_n + nt, p, mask=rmask & (sl >= 0))
             if TRACE:
                 t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
                 trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_wait, t_end)

@@ -20,7 +20,8 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from moe_overlap.kernels import gather_rows, moe_counts, moe_layer0, moe_layer1, row_dot
+    from moe_overlap.kernels import (gather_rows, moe_counts, moe_layer0, moe_layer1, moe_layout,
+                                     row_dot)
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -54,7 +55,7 @@ _SCRIPT = textwrap.dedent(
         row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32", slice_off_ptr="*i32",
         slice_cnt_ptr="*i32", flags_local="*i32", row_scale_ptr="*fp32", w_ptr="*" + dt,
         b_ptr="*" + dt, out_ptr="*" + dt, gu_ptr="*" + dt, err_ptr="*i64", budget="i64",
-        trace_ptr="*i64",
+        trace_ptr="*i64", dw_ptr="*fp32", dw_slot_ptr="*i32",
     )
     t0 = types_for(moe_layer0._layer0_kernel, l0_ptrs)
     # forward (SwiGLU, saves gu) and the backward's dispatch GEMM with the SwiGLU / GELU
@@ -97,14 +98,15 @@ _SCRIPT = textwrap.dedent(
             USE_TIMER=True, TRACE=False, DACT=dact, B_MODE=2, A_TMA=True, FLAT=False),
             stages=4)
         n += 1
-    # ... and its 128x256 configs with the epilogue in 2 or 4 column slices
+    # ... and its 128x256 configs with the epilogue in 2 or 4 column slices, writing the
+    # d topk_weights partials (DW) as one rank launches it
     for dact, epi in itertools.product((0, 1), (2, 4)):
         types = dict(t0, w_desc=f"tensordesc<{dt}[64, 256]>", a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=4, HAS_BIAS=False, SAVE_GU=False, HAS_SCALE=True,
             ROW_SCALE=False, EVEN_K=True, BM=128, BN=256, BK=64, CH=64, BH=128, GROUP_M=8,
             USE_TIMER=True, TRACE=False, DACT=dact, EPI_SUB=epi, B_MODE=2, A_TMA=True,
-            FLAT=False))
+            FLAT=False, DW=epi == 4))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",
@@ -202,6 +204,30 @@ _SCRIPT = textwrap.dedent(
     tr = types_for(row_dot._row_dot_kernel, dict(o_ptr="*" + dt, dy_ptr="*" + dt,
                                                  slot_of_ptr="*i32", out_ptr="*fp32"))
     build(row_dot._row_dot_kernel, tr, dict(BA=32, BH=128), warps=4, stages=2)
+    n += 1
+    tp = types_for(row_dot._dw_from_partials_kernel, dict(
+        part_ptr="*fp32", w_ptr="*fp32", o_ptr="*" + dt, dy_ptr="*" + dt, slot_of_ptr="*i32",
+        out_ptr="*fp32", w_min="fp32"))
+    build(row_dot._dw_from_partials_kernel, tp, dict(BA=64, BH=128), warps=4, stages=2)
+    n += 1
+    # the one-rank layout, int64 and int32 ids, at E 128 (EB 256) and 256 (EB 512)
+    for idt, EB in itertools.product(("*i64", "*i32"), (256, 512)):
+        build(moe_layout._hist_kernel, dict(ids_ptr=idt, hist_ptr="*i32", TK="i32", E="i32"),
+              dict(BLK=128, EB=EB), warps=8, stages=1)
+        build(moe_layout._place_kernel, types_for(moe_layout._place_kernel, dict(
+            ids_ptr=idt, hist_ptr="*i32", cnt_ptr="*i32", sorted_ptr="*i32",
+            slot_of_ptr="*i32", counts_ptr="*i32", start_ptr="*i32", end_ptr="*i32",
+            n_kept_ptr="*i32", n_tiles_ptr="*i32")), dict(BLK=128, EB=EB), warps=4, stages=1)
+        n += 2
+    for EB in (256, 512):
+        build(moe_layout._rows_kernel, types_for(moe_layout._rows_kernel, dict(
+            cnt_ptr="*i32", sorted_ptr="*i32", row_tok_ptr="*i32", row_src_ptr="*i32",
+            row_l_ptr="*i32", row_slot_ptr="*i32")), dict(BR=128, EB=EB), warps=4, stages=1)
+        build(moe_layout._key_start_kernel, dict(cnt_ptr="*i32", E="i32"), dict(EB=EB),
+              warps=4, stages=1)
+        n += 2
+    build(moe_layout._scan_kernel, dict(hist_ptr="*i32", cnt_ptr="*i32", NB="i32", E="i32"),
+          dict(RB=64, EC=32), warps=4, stages=1)
     n += 1
     print(f"compiled {n} MoE kernel variants for sm_90")
     """

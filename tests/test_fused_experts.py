@@ -277,6 +277,34 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
+@pytest.mark.parametrize("epi", [1, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (13,), 13, 40, 5, 3, "swiglu", False, "zipf"),
+        Case(1, (9,), 24, 20, 4, 2, "silu", False, "drop"),
+    ],
+    ids=str,
+)
+def test_weights_grad_from_epilogue_partials_with_zero_and_tiny_weights(case, epi, monkeypatch):
+    # One rank without b2: d topk_weights comes from the dispatch GEMM's per-(slot, N tile)
+    # partials divided by the weight; zero and tiny weights must take the o-row path instead.
+    from moe_overlap.kernels import row_dot as rd
+
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,32,16,4,1,8,{epi}")
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", "1")  # F >= H here would choose row_dot
+    prob = make_problem(case)
+    w = prob.wts[0]
+    w.view(-1)[::3] = 0.0
+    w.view(-1)[1::5] = rd.DW_MIN_WEIGHT / 4
+    w.view(-1)[2::7] = rd.DW_MIN_WEIGHT * 4  # still divided: must be as right
+    calls = []
+    real = rd.weights_grad_from_partials
+    monkeypatch.setattr(fused, "weights_grad_from_partials", lambda *a: calls.append(1) or real(*a))
+    check_against_reference(prob, run_fused(prob))
+    assert calls, "the one-rank backward did not take the fused weights' gradient"
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -61,3 +61,42 @@ def test_one_rank_layout_sizes_without_sync_only_when_padding_is_small():
     assert small.rows_cap == -(-(1024 + 8 * 15) // 16) * 16
     big = L._build_layout_one_rank(ids[:20], 8, 16, None)  # 40 rows: exact
     assert big.rows_cap == int(((big.counts.long() + 15) // 16 * 16).sum())
+
+
+@pytest.mark.parametrize("T,E,K,bm", [(0, 4, 2, 16), (1, 1, 1, 16), (37, 8, 3, 16),
+                                      (300, 4, 8, 16), (64, 5, 2, 128), (50, 40, 6, 16),
+                                      (23, 130, 4, 16), (41, 6, 3, 24)])  # fmt: skip
+@pytest.mark.parametrize("routing", ["uniform", "drop", "hot", "empty"])
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_one_rank_layout_kernels_equal_torch(T, E, K, bm, routing, static, id_dtype):
+    # The five-kernel layout (interpreter here, the GPU's path) against the torch one: every
+    # field bitwise, rows and all. Fields start as garbage: a value no kernel wrote shows.
+    ids = _ids(T, E, K, routing, seed=T * 7 + E).to(id_dtype)
+    tm = T + 5 if static else None
+    want = L._build_layout_one_rank(ids, E, bm, tm)
+    real_empty = torch.empty
+
+    def poisoned(*a, **kw):
+        t = real_empty(*a, **kw)
+        return t.fill_(-777) if t.dtype == torch.int32 else t
+
+    torch.empty = poisoned
+    try:
+        got = L._build_layout_one_rank_kernels(ids, E, bm, tm)
+    finally:
+        torch.empty = real_empty
+    for f in ("rows_cap", "rows_cap_max", "slots_cap_max", "chunks_cap", "tiles_cap"):
+        assert getattr(got, f) == getattr(want, f), f
+    for f in FIELDS + ("chunks",):
+        a, b = getattr(got, f), getattr(want, f)
+        assert a.dtype == b.dtype and a.shape == b.shape, f
+        assert torch.equal(a, b), f"{f}: {a.tolist()} != {b.tolist()}"
+
+
+def test_build_layout_takes_the_kernels_in_the_interpreter(monkeypatch):
+    calls = []
+    real = L._build_layout_one_rank_kernels
+    monkeypatch.setattr(L, "_build_layout_one_rank_kernels", lambda *a: calls.append(1) or real(*a))
+    L.build_layout(_ids(9, 4, 2, "uniform", 1), 4, init_world(), 16)
+    assert calls

@@ -1,7 +1,8 @@
 """Routing layout: who sends which assignment where, and how each rank's rows are tiled.
 
 Given ``topk_ids [T, K]`` (global expert ids, -1 = dropped) on every rank of an EP world with
-``El = E / W`` experts per rank, this module computes, with torch ops on the device:
+``El = E / W`` experts per rank, this module computes, with torch ops on the device (at one
+rank on a GPU or in the interpreter: five kernels, ``kernels/moe_layout.py``, same values):
 
 *Source side* (this rank sends):
   ``sorted_assign [T*K]``: assignment indices ``a = t*K + k`` sorted by expert (stable; kept
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.moe_counts import launch_count_exchange
-from ..world import WorkspacePlan, World
+from ..world import WorkspacePlan, World, interpreted, launch_lock
 
 CHUNK = 64
 
@@ -142,6 +143,10 @@ def build_layout(
 ) -> Layout:
     """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
     if world.world_size == 1:
+        if topk_ids.is_cuda or interpreted():
+            return _build_layout_one_rank_kernels(
+                topk_ids, num_experts, block_m, max_tokens_per_rank
+            )
         return _build_layout_one_rank(topk_ids, num_experts, block_m, max_tokens_per_rank)
     return _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank)
 
@@ -302,6 +307,101 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
     )
 
 
+def _one_rank_sizes(T, K, E, block_m, max_tokens_per_rank, exact):
+    """``(rows_cap, slots_cap, chunks_cap)`` of a one-rank layout; ``exact()`` -> the true
+    ``(padded rows, kept assignments)``, called (a host sync) only where no bound applies."""
+    TK = T * K
+    if max_tokens_per_rank is not None:
+        Tm = int(max_tokens_per_rank)
+        rows_cap = _cdiv(Tm * K + E * (block_m - 1), block_m) * block_m
+        return rows_cap, Tm * K, _cdiv(Tm * K, CHUNK) + E
+    if 4 * E * (block_m - 1) <= TK:
+        return _cdiv(TK + E * (block_m - 1), block_m) * block_m, TK, 1
+    rows_cap, slots_cap = exact()
+    return rows_cap, slots_cap, 1
+
+
+_ZEROS: dict = {}
+
+
+def _zeros_i32(n, device):
+    """Cached all-zero int32 ``[n]`` (``chunks`` and ``n_chunks`` at one rank: never written,
+    and no kernel reads ``chunks`` there). Not cached while a CUDA graph is being captured."""
+    device = torch.device(device)
+    t = _ZEROS.get((n, device))
+    if t is None:
+        t = torch.zeros(n, dtype=torch.int32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ZEROS[(n, device)] = t
+    return t
+
+
+def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
+    """:func:`_build_layout_one_rank` in five kernel launches (``kernels/moe_layout.py``):
+    the same fields and values. One int32 allocation holds every field."""
+    from ..kernels.moe_layout import counts_one_rank, place_one_rank
+
+    device = topk_ids.device
+    T, K = topk_ids.shape
+    TK = T * K
+    ids = topk_ids.contiguous()
+    with launch_lock():
+        hist, cnt, BLK, EB = counts_one_rank(ids, E, interpreted())
+
+    def exact():
+        c = cnt[:E].long()
+        both = torch.stack([((c + block_m - 1) // block_m * block_m).sum(), c.sum()])
+        return tuple(int(v) for v in both.cpu().tolist())
+
+    rows_cap, slots_cap, chunks_cap = _one_rank_sizes(T, K, E, block_m, max_tokens_per_rank, exact)
+    sizes = dict(
+        sorted_assign=TK, slot_of=TK, counts=E, expert_start=E, expert_end=E, n_kept=1,
+        n_tiles=1, row_tok=rows_cap, row_src=rows_cap, row_local_expert=rows_cap,
+        row_slot=rows_cap,
+    )  # fmt: skip
+    flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
+    out, off = {}, 0
+    for k, n in sizes.items():
+        out[k] = flat[off : off + n]
+        off += n
+    with launch_lock():
+        place_one_rank(ids, E, block_m, rows_cap, hist, cnt, BLK, EB, out, interpreted())
+    counts = out["counts"]
+    base = out["expert_start"]
+    chunks = _zeros_i32(chunks_cap * 5, device).view(chunks_cap, 5)
+    return Layout(
+        world_size=1,
+        rank=0,
+        num_experts=E,
+        local_experts=E,
+        top_k=K,
+        num_tokens=T,
+        block_m=block_m,
+        rows_cap=rows_cap,
+        rows_cap_max=rows_cap,
+        slots_cap_max=max(slots_cap, 1),
+        chunks_cap=chunks_cap,
+        tiles_cap=max(rows_cap // block_m, 1),
+        counts=counts,
+        cnt_all=counts.view(1, E),
+        sorted_assign=out["sorted_assign"],
+        slot_of=out["slot_of"],
+        n_kept=out["n_kept"],
+        chunks=chunks,
+        n_chunks=_zeros_i32(1, device),
+        row_tok=out["row_tok"],
+        row_src=out["row_src"],
+        row_local_expert=out["row_local_expert"],
+        row_slot=out["row_slot"],
+        expert_end=out["expert_end"],
+        expert_start=base,
+        slice_off=base.view(1, E),
+        slice_cnt=counts.view(1, E),
+        n_tiles=out["n_tiles"],
+        recv_rows=counts,
+    )
+
+
 def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
     """:func:`build_layout` at one rank, in a third of its device ops (no exchange, no remote
     chunks, one source per expert): the layout is host-bound on small-expert shapes (measured
@@ -334,17 +434,10 @@ def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
     base = pend - ptot
     rows_pad = pend[-1:]
 
-    if max_tokens_per_rank is not None:
-        Tm = int(max_tokens_per_rank)
-        rows_cap = _cdiv(Tm * K + E * (block_m - 1), block_m) * block_m
-        slots_cap = Tm * K
-        chunks_cap = _cdiv(Tm * K, CHUNK) + E
-    elif 4 * E * (block_m - 1) <= TK:
-        rows_cap = _cdiv(TK + E * (block_m - 1), block_m) * block_m
-        slots_cap, chunks_cap = TK, 1
-    else:  # the one host sync of exact sizing
-        rows_cap, slots_cap = (int(v) for v in torch.cat([rows_pad, n_kept]).cpu().tolist())
-        chunks_cap = 1
+    def exact():  # the one host sync of exact sizing
+        return tuple(int(v) for v in torch.cat([rows_pad, n_kept]).cpu().tolist())
+
+    rows_cap, slots_cap, chunks_cap = _one_rank_sizes(T, K, E, block_m, max_tokens_per_rank, exact)
 
     # rows: expert l's real rows, its padding, then the tail (segment E: the last expert's)
     seg_id = torch.repeat_interleave(

@@ -23,7 +23,9 @@ Forward of ``fused_experts`` on rank r (every step a kernel or torch op on the d
 
 Backward (mirrored roles, same kernels):
   * layer 1: ``d topk_weights = <dy, o>`` (``kernels/row_dot.py``) from the rows layer 1
-    saved (the reduction's copy at W > 1; at one rank the GEMM's own row buffer); ``dy * w`` is
+    saved (the reduction's copy at W > 1; at one rank the GEMM's own row buffer), or, at one
+    rank without ``b2`` where ``F < H``, from partial sums the dispatch GEMM's epilogue writes
+    (``<act(gu), w * dy @ w2>`` per slot and column tile, divided by ``w``); ``dy * w`` is
     *dispatched* by the layer-0 kernel into a GEMM with ``w2`` (-> d h; its own block config,
     ``layer0_config("dact")``), and ``d w2 = g^T h`` is a grouped weight-gradient GEMM (one
     rank: the gathered ``g`` rows are the dispatch GEMM's TMA operand too);
@@ -47,7 +49,7 @@ from ..kernels.launch import launch as _launch
 from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
 from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
-from ..kernels.row_dot import row_dot
+from ..kernels.row_dot import row_dot, weights_grad_from_partials
 from ..world import SymmTensor, WorkspacePlan, World, interpreted, launch_lock
 from . import tuning
 from .checks import check_expert_args
@@ -329,6 +331,7 @@ def _launch_layer0(
     pre=None,
     a_rows=None,
     a_rows_scaled=False,
+    dw_slot=None,
 ):
     """Dispatch rows of ``x`` and compute ``act(rows @ w[l]^T + b)`` per local expert.
 
@@ -343,6 +346,11 @@ def _launch_layer0(
     GEMM loads A by TMA, since Hopper's TMA cannot gather rows itself. ``a_rows_scaled``: the
     given ``a_rows`` already carry ``row_scale`` (applied in the epilogue only where the GEMM
     falls back to gathering rows of ``x``).
+
+    ``dw_slot [R]`` int32 (``dact`` at one rank only): the slot of each row; the epilogue then
+    also writes, per (slot, column tile), the tile's part of ``<act(pre), out row before the
+    derivative>``, and the second result is those partials ``[S, n_tiles_N]`` fp32 (see
+    ``kernels/row_dot.py``) instead of ``gu``.
     """
     device = x.device
     W = world.world_size
@@ -359,6 +367,8 @@ def _launch_layer0(
     else:
         out = torch.empty(R, N, dtype=x.dtype, device=device)
     gu = None
+    if dw_slot is not None and (dact is None or W != 1):
+        raise ValueError("dw_slot is for the backward's dispatch GEMM at one rank")
     if save_gu:
         gu = torch.empty(R, 2 * N if act == "swiglu" else N, dtype=x.dtype, device=device)
     recv, slot = stage_ws.recv, stage_ws.slot
@@ -374,6 +384,9 @@ def _launch_layer0(
         pad_local = epoch = _dummy(device)
     n_n = -(-N // cfg["BN"])
     total = layout.tiles_cap * n_n
+    part = None
+    if dw_slot is not None:
+        part = torch.empty(layout.slots_cap_max, n_n, dtype=torch.float32, device=device)
     n_comm = 0
     if W > 1:
         n_comm = min(
@@ -461,6 +474,9 @@ def _launch_layer0(
         B_MODE=b_mode,
         A_TMA=a_desc is not None,
         FLAT=flat,
+        dw_ptr=part if part is not None else df,
+        dw_slot_ptr=dw_slot if dw_slot is not None else di,
+        DW=dw_slot is not None,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_put_args(world, sig, stage_ws, "layer0"),
@@ -477,7 +493,7 @@ def _launch_layer0(
     else:
         with launch_lock():
             launch(0)
-    return out, gu
+    return out, (part if part is not None else gu)
 
 
 def _stage_pays(n_cols: int) -> bool:
@@ -864,14 +880,30 @@ def _bwd_row_scale(layout: Layout, wflat, row_slot) -> torch.Tensor:
     return torch.where(local, wflat.index_select(0, a).to(torch.float32), sent)
 
 
-def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None):
+def _dw_in_epilogue(b2, dy, F: int) -> bool:
+    """Whether the one-rank backward takes d topk_weights from the dispatch GEMM's epilogue
+    partials (``kernels/row_dot.py``) instead of re-reading ``o`` with ``row_dot``: kernels
+    only (GPU or the interpreter), no ``b2``, and only where the GEMM is narrower than the
+    rows ``row_dot`` reads (``F < H``). The epilogue's extra work grows with ``R x F``,
+    ``row_dot``'s traffic with ``T K x H``: measured on the H200 (2026-12-04, sweep_bwd.py) the
+    dispatch GEMM took +0.09 ms at qwen3-30b-a3b (F 768, H 2048) against row_dot's 0.18 ms,
+    but +0.30 ms at mixtral-8x7b (F 14336, H 4096) against ~0.08.
+    ``MOE_OVERLAP_DW_EPILOGUE=0`` / ``1`` forces it off / on (A/B runs, tests)."""
+    env = os.environ.get("MOE_OVERLAP_DW_EPILOGUE")
+    if b2 is not None or not (dy.is_cuda or interpreted()) or env == "0":
+        return False
+    return env == "1" or F < dy.shape[1]
+
+
+def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None, dw_slot=None):
     """Backward of the combine and the activation: dispatch ``dy * w`` into a GEMM with ``w2``
     (-> d h) whose epilogue applies ``act``'s derivative at the saved ``gu`` -> ``d gu``
     (zeros on padding rows).
 
     The backward and :func:`_warm_backward` both call this, so the warm-up compiles exactly the
-    variants the backward launches."""
-    d_gu, _ = _launch_layer0(
+    variants the backward launches. ``dw_slot``: see :func:`_launch_layer0`; returns
+    ``(d_gu, partials or None)``."""
+    return _launch_layer0(
         dy,
         layout,
         w2,
@@ -887,8 +919,8 @@ def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=N
         pre=gu,
         a_rows=a_rows,
         a_rows_scaled=True,
+        dw_slot=dw_slot,
     )
-    return d_gu
 
 
 def _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H):
@@ -944,21 +976,42 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     valid = _valid_rows(layout)
     wflat = topk_weights.contiguous().view(-1)
 
-    # layer 1: d topk_weights from the saved expert rows
-    d_w = _weights_grad(o, dy, layout).view(T, K)
-
     # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
     row_scale = _bwd_row_scale(layout, wflat, row_slot)
     # Padding rows are zero in g_rows (gathered) and in h (layer 0's epilogue writes them): the
     # grouped wgrad can take whole padded expert ranges without a masking pass.
     if world.world_size == 1:
         # One rank: the scaled rows wgrad needs are the dispatch GEMM's (TMA) A operand too, as
-        # in the forward.
+        # in the forward; and d topk_weights comes from partials its epilogue writes, without
+        # reading o again (a bias b2 adds <b2, dy>, which the partials do not hold).
         g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
-        d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=g_rows)
+        fuse_dw = _dw_in_epilogue(b2, dy, w2.shape[2])
+        d_gu, part = _bwd_dispatch(
+            dy,
+            layout,
+            w2,
+            world,
+            wflat,
+            row_scale,
+            ws,
+            gu,
+            act,
+            a_rows=g_rows,
+            dw_slot=row_slot if fuse_dw else None,
+        )
+        if fuse_dw:
+            with launch_lock():
+                d_w = weights_grad_from_partials(
+                    part, wflat, o, dy, layout.slot_of, K, interpreted()
+                ).view(T, K)
+        else:
+            d_w = _weights_grad(o, dy, layout).view(T, K)
     else:
+        # layer 1: d topk_weights from the saved expert rows (peers' partials would carry
+        # weights applied on their source rank)
+        d_w = _weights_grad(o, dy, layout).view(T, K)
         # peers' rows are in the receive buffer only once the dispatch has run
-        d_gu = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
+        d_gu, _ = _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act)
         g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
     d_w2 = _grouped_wgrad(g_rows, h, layout, w2.dtype, world)
     d_b2 = _expert_sum(g_rows, layout).to(b2.dtype) if b2 is not None else None

@@ -211,7 +211,20 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
                 with _env(**(benv if dev.type == "cuda" else {})):
                     tbs[cb] = timed(
                         lambda: fused._bwd_dispatch(
-                            dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows
+                            dy,
+                            layout,
+                            w2,
+                            world,
+                            wflat,
+                            row_scale,
+                            ws,
+                            gu,
+                            "swiglu",
+                            a_rows,
+                            dw_slot=layout.row_slot
+                            if world.world_size == 1
+                            and fused._dw_in_epilogue(None, dy, w2.shape[2])
+                            else None,
                         )
                     )
         if tbs:

@@ -63,9 +63,20 @@ def run(name):
         os.environ["MOE_OVERLAP_L0B_CONFIG"] = cfg
 
         def step():
+            # as the one-rank backward runs it: with the d topk_weights partials
             return fused._bwd_dispatch(
-                dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows=g_rows
-            )
+                dy,
+                layout,
+                w2,
+                world,
+                wflat,
+                row_scale,
+                ws,
+                gu,
+                "swiglu",
+                a_rows=g_rows,
+                dw_slot=layout.row_slot if fused._dw_in_epilogue(None, dy, F) else None,
+            )[0]
 
         try:
             out = step()

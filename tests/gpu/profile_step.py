@@ -1,0 +1,81 @@
+"""Where one benchmark step's GPU time goes (not a pytest file).
+
+python tests/gpu/profile_step.py PRESET [case ...]   # default cases: fused_experts unfused
+Builds the ``moe --backward`` problem and cases exactly as the CLI does (router, autograd.grad,
+rotating inputs), then for each case: the CLI-style event time of back-to-back steps, and one
+profile of three back-to-back steps split into kernel time per name and *idle GPU time* (the
+step's GPU span minus the union of its kernels' intervals: launch gaps, host stalls). What
+``profile_moe.py`` leaves out (the router and its backward, the grads' accumulation into x)
+shows up here.
+"""
+
+import sys
+from collections import defaultdict
+
+import torch
+
+from moe_overlap.bench import baselines as B
+from moe_overlap.bench import harness as Hs
+from moe_overlap.bench.presets import get_moe_shape
+
+
+def _case(name, problem, world):
+    if name in Hs.CANDIDATES["moe"]:
+        return Hs.CANDIDATES["moe"][name](problem, world)
+    return B.build_baseline("moe", name, problem, world)
+
+
+def _union_ms(iv):
+    iv.sort()
+    tot, cur_s, cur_e = 0.0, None, None
+    for s, e in iv:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                tot += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        tot += cur_e - cur_s
+    return tot / 1e3
+
+
+def main(preset, names):
+    from moe_overlap import init_world
+
+    world = init_world()
+    dev = world.device
+    problem = B.make_moe_problem(get_moe_shape(preset), 1, 0, torch.bfloat16, dev, backward=True)
+    for name in names:
+        case = _case(name, problem, world)
+        for i in range(8):
+            case.step(i)
+        torch.cuda.synchronize()
+        t = Hs._timed_calls(case.step, dev, 8, 20)["ms"]
+        t.sort()
+        print(f"== {preset} {name}: event time {t[len(t) // 2]:.3f} ms (median of 20)")
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=acts) as prof:
+            for i in range(3):
+                case.step(30 + i)
+            torch.cuda.synchronize()
+        kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        iv = [(e.time_range.start, e.time_range.end) for e in kern]
+        span = (max(e for _, e in iv) - min(s for s, _ in iv)) / 1e3 / 3
+        busy = _union_ms(iv) / 3
+        print(
+            f"   per step: GPU span {span:.3f} ms, kernels busy {busy:.3f} ms, idle"
+            f" {span - busy:.3f} ms, {len(kern) // 3} kernels"
+        )
+        by = defaultdict(lambda: [0.0, 0])
+        for e in kern:
+            by[e.name[:80]][0] += e.device_time / 1e3 / 3
+            by[e.name[:80]][1] += 1
+        for k, (ms, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:25]:
+            print(f"   {ms:8.3f} ms  x{n // 3:<3d} {k}")
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:] or ["fused_experts", "unfused"])
