@@ -26,6 +26,23 @@ DW_MIN_WEIGHT = 2.0**-40
 
 
 @triton.jit
+def _dots(
+    o_ptr, dy_ptr, a, j, keep, H, K_top, stride_o, stride_dy, BA: tl.constexpr, BH: tl.constexpr
+):
+    """``[BA]`` fp32: ``<o[j], dy[a // K_top]>`` where ``keep``, else 0 (nothing read)."""
+    o_row = o_ptr + tl.maximum(j, 0).to(tl.int64)[:, None] * stride_o
+    dy_row = dy_ptr + (a // K_top).to(tl.int64)[:, None] * stride_dy
+    acc = tl.zeros((BA, BH), dtype=tl.float32)
+    for h0 in range(0, H, BH):
+        cols = h0 + tl.arange(0, BH)
+        m = keep[:, None] & (cols < H)[None, :]
+        v = tl.load(o_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        g = tl.load(dy_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        acc += v * g
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _row_dot_kernel(
     o_ptr,
     dy_ptr,
@@ -42,17 +59,8 @@ def _row_dot_kernel(
     a = tl.program_id(0) * BA + tl.arange(0, BA)
     am = a < TK
     j = tl.load(slot_of_ptr + a, mask=am, other=-1)
-    keep = am & (j >= 0)
-    o_row = o_ptr + tl.maximum(j, 0).to(tl.int64)[:, None] * stride_o
-    dy_row = dy_ptr + (a // K_top).to(tl.int64)[:, None] * stride_dy
-    acc = tl.zeros((BA, BH), dtype=tl.float32)
-    for h0 in range(0, H, BH):
-        cols = h0 + tl.arange(0, BH)
-        m = keep[:, None] & (cols < H)[None, :]
-        v = tl.load(o_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        g = tl.load(dy_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        acc += v * g
-    tl.store(out_ptr + a, tl.sum(acc, axis=1), mask=am)
+    d = _dots(o_ptr, dy_ptr, a, j, am & (j >= 0), H, K_top, stride_o, stride_dy, BA, BH)
+    tl.store(out_ptr + a, d, mask=am)
 
 
 def row_dot(
@@ -127,16 +135,8 @@ def _dw_from_partials_kernel(
     res = tl.where(fast, p / tl.where(fast, w, 1.0), 0.0)
     slow = keep & (tl.abs(w) < w_min)
     if tl.max(slow.to(tl.int32), axis=0) > 0:
-        o_row = o_ptr + tl.maximum(j, 0).to(tl.int64)[:, None] * stride_o
-        dy_row = dy_ptr + (a // K_top).to(tl.int64)[:, None] * stride_dy
-        acc = tl.zeros((BA, BH), dtype=tl.float32)
-        for h0 in range(0, H, BH):
-            cols = h0 + tl.arange(0, BH)
-            m = slow[:, None] & (cols < H)[None, :]
-            v = tl.load(o_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            g = tl.load(dy_row + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += v * g
-        res = tl.where(slow, tl.sum(acc, axis=1), res)
+        d = _dots(o_ptr, dy_ptr, a, j, slow, H, K_top, stride_o, stride_dy, BA, BH)
+        res = tl.where(slow, d, res)
     tl.store(out_ptr + a, res, mask=am)
 
 

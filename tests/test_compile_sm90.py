@@ -220,12 +220,14 @@ _SCRIPT = textwrap.dedent(
             n_kept_ptr="*i32", n_tiles_ptr="*i32")), dict(BLK=128, EB=EB), warps=4, stages=1)
         n += 2
     for EB in (256, 512):
-        build(moe_layout._rows_kernel, types_for(moe_layout._rows_kernel, dict(
-            cnt_ptr="*i32", sorted_ptr="*i32", row_tok_ptr="*i32", row_src_ptr="*i32",
-            row_l_ptr="*i32", row_slot_ptr="*i32")), dict(BR=128, EB=EB), warps=4, stages=1)
+        for per_tile in (True, False):
+            build(moe_layout._rows_kernel, types_for(moe_layout._rows_kernel, dict(
+                cnt_ptr="*i32", sorted_ptr="*i32", row_tok_ptr="*i32", row_src_ptr="*i32",
+                row_l_ptr="*i32", row_slot_ptr="*i32")), dict(BR=128, EB=EB,
+                PER_TILE=per_tile), warps=4, stages=1)
         build(moe_layout._key_start_kernel, dict(cnt_ptr="*i32", E="i32"), dict(EB=EB),
               warps=4, stages=1)
-        n += 2
+        n += 3
     build(moe_layout._scan_kernel, dict(hist_ptr="*i32", cnt_ptr="*i32", NB="i32", E="i32"),
           dict(RB=64, EC=32), warps=4, stages=1)
     n += 1

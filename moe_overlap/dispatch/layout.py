@@ -336,6 +336,33 @@ def _zeros_i32(n, device):
     return t
 
 
+def _one_rank_layout(T, K, E, block_m, sizes, counts, base, end, **fields) -> Layout:
+    """A one-rank :class:`Layout` from its int32 fields; ``sizes`` = (rows, slots, chunks)."""
+    rows_cap, slots_cap, chunks_cap = sizes
+    return Layout(
+        world_size=1,
+        rank=0,
+        num_experts=E,
+        local_experts=E,
+        top_k=K,
+        num_tokens=T,
+        block_m=block_m,
+        rows_cap=rows_cap,
+        rows_cap_max=rows_cap,
+        slots_cap_max=max(slots_cap, 1),
+        chunks_cap=chunks_cap,
+        tiles_cap=max(rows_cap // block_m, 1),
+        counts=counts,
+        cnt_all=counts.view(1, E),
+        expert_start=base,
+        expert_end=end,
+        slice_off=base.view(1, E),
+        slice_cnt=counts.view(1, E),
+        recv_rows=counts,
+        **fields,
+    )
+
+
 def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
     """:func:`_build_layout_one_rank` in five kernel launches (``kernels/moe_layout.py``):
     the same fields and values. One int32 allocation holds every field."""
@@ -366,24 +393,16 @@ def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) ->
         off += n
     with launch_lock():
         place_one_rank(ids, E, block_m, rows_cap, hist, cnt, BLK, EB, out, interpreted())
-    counts = out["counts"]
-    base = out["expert_start"]
     chunks = _zeros_i32(chunks_cap * 5, device).view(chunks_cap, 5)
-    return Layout(
-        world_size=1,
-        rank=0,
-        num_experts=E,
-        local_experts=E,
-        top_k=K,
-        num_tokens=T,
-        block_m=block_m,
-        rows_cap=rows_cap,
-        rows_cap_max=rows_cap,
-        slots_cap_max=max(slots_cap, 1),
-        chunks_cap=chunks_cap,
-        tiles_cap=max(rows_cap // block_m, 1),
-        counts=counts,
-        cnt_all=counts.view(1, E),
+    return _one_rank_layout(
+        T,
+        K,
+        E,
+        block_m,
+        (rows_cap, slots_cap, chunks_cap),
+        out["counts"],
+        out["expert_start"],
+        out["expert_end"],
         sorted_assign=out["sorted_assign"],
         slot_of=out["slot_of"],
         n_kept=out["n_kept"],
@@ -393,12 +412,7 @@ def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) ->
         row_src=out["row_src"],
         row_local_expert=out["row_local_expert"],
         row_slot=out["row_slot"],
-        expert_end=out["expert_end"],
-        expert_start=base,
-        slice_off=base.view(1, E),
-        slice_cnt=counts.view(1, E),
         n_tiles=out["n_tiles"],
-        recv_rows=counts,
     )
 
 
@@ -455,21 +469,15 @@ def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
     else:
         tok = torch.full_like(in_slice, -2)
     cnt32 = cnt.to(i32)
-    return Layout(
-        world_size=1,
-        rank=0,
-        num_experts=E,
-        local_experts=E,
-        top_k=K,
-        num_tokens=T,
-        block_m=block_m,
-        rows_cap=rows_cap,
-        rows_cap_max=rows_cap,
-        slots_cap_max=max(slots_cap, 1),
-        chunks_cap=chunks_cap,
-        tiles_cap=max(rows_cap // block_m, 1),
-        counts=cnt32,
-        cnt_all=cnt32.view(1, E),
+    return _one_rank_layout(
+        T,
+        K,
+        E,
+        block_m,
+        (rows_cap, slots_cap, chunks_cap),
+        cnt32,
+        base.to(i32),
+        (base + cnt).to(i32),
         sorted_assign=order.to(i32),
         slot_of=slot_of,
         n_kept=n_kept.to(i32).view(1),
@@ -479,12 +487,7 @@ def _build_layout_one_rank(topk_ids, E, block_m, max_tokens_per_rank) -> Layout:
         row_src=torch.where(is_local, 0, -1).to(i32),
         row_local_expert=row_l.to(i32),
         row_slot=torch.where(is_local, j_local, -1).to(i32),
-        expert_end=(base + cnt).to(i32),
-        expert_start=base.to(i32),
-        slice_off=base.to(i32).view(1, E),
-        slice_cnt=cnt32.view(1, E),
         n_tiles=(rows_pad // block_m).to(i32).view(1),
-        recv_rows=cnt32,
     )
 
 
