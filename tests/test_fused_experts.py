@@ -283,6 +283,7 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     [
         Case(1, (13,), 13, 40, 5, 3, "swiglu", False, "zipf"),
         Case(1, (9,), 24, 20, 4, 2, "silu", False, "drop"),
+        Case(1, (10,), 24, 7, 3, 2, "relu", False, "uniform"),
     ],
     ids=str,
 )
@@ -303,6 +304,28 @@ def test_weights_grad_from_epilogue_partials_with_zero_and_tiny_weights(case, ep
     monkeypatch.setattr(fused, "weights_grad_from_partials", lambda *a: calls.append(1) or real(*a))
     check_against_reference(prob, run_fused(prob))
     assert calls, "the one-rank backward did not take the fused weights' gradient"
+
+
+@pytest.mark.parametrize("force", ["1", None])
+def test_fp16_small_weights_keep_their_gradient(force, monkeypatch):
+    # fp16 A rows w * dy underflow for small weights, so fp16 never takes the epilogue
+    # partials, even when forced: d topk_weights must match the float64 reference.
+    if force:
+        monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", force)
+    g = torch.Generator().manual_seed(5)
+    T, H, F, E, K = 8, 32, 16, 2, 2
+    x = torch.randn(T, H, generator=g).half()
+    ids = torch.randint(0, E, (T, K), generator=g)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.2).half()
+    w2 = (torch.randn(E, H, F, generator=g) * 0.2).half()
+    wts = torch.full((T, K), 1e-6).requires_grad_()
+    gy = (torch.randn(T, H, generator=g) * 1e-2).half()
+    fused.fused_experts(x, ids, wts, w1, w2, world=local_world()).backward(gy)
+    d = torch.float64
+    wr = wts.detach().to(d).requires_grad_()
+    y = ref.experts(x.to(d), ids, wr, w1.to(d), w2.to(d), "swiglu", None, None)
+    (y * gy.to(d)).sum().backward()
+    assert_close(wts.grad, wr.grad, dtype=torch.float16, name="fp16 d topk_weights")
 
 
 @pytest.mark.parametrize(

@@ -100,3 +100,28 @@ def test_build_layout_takes_the_kernels_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(L, "_build_layout_one_rank_kernels", lambda *a: calls.append(1) or real(*a))
     L.build_layout(_ids(9, 4, 2, "uniform", 1), 4, init_world(), 16)
     assert calls
+
+
+def test_layout_kernel_fields_are_16_byte_aligned():
+    # odd T x K: unpadded, every field after slot_of would start off a 16-byte boundary
+    lay = L._build_layout_one_rank_kernels(_ids(7, 5, 3, "uniform", 2), 5, 16, None)
+    for f in FIELDS:
+        t = getattr(lay, f)
+        assert t.data_ptr() % 16 == 0 or t.numel() == 0, f
+
+
+def test_large_expert_counts_take_the_torch_layout(monkeypatch):
+    def boom(*a):
+        raise AssertionError("kernels used above LAYOUT_KERNELS_MAX_E")
+
+    monkeypatch.setattr(L, "_build_layout_one_rank_kernels", boom)
+    E = L.LAYOUT_KERNELS_MAX_E + 1
+    lay = L.build_layout(_ids(5, E, 2, "uniform", 3), E, init_world(), 16)
+    assert lay.counts.shape == (E,)
+
+
+def test_layout_kernels_reject_ids_out_of_range():
+    ids = _ids(6, 4, 2, "uniform", 4)
+    ids[3, 1] = 4
+    with pytest.raises(ValueError, match="out of range"):
+        L._build_layout_one_rank_kernels(ids, 4, 16, None)

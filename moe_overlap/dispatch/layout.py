@@ -37,6 +37,9 @@ from ..kernels.moe_counts import launch_count_exchange
 from ..world import WorkspacePlan, World, interpreted, launch_lock
 
 CHUNK = 64
+# The layout kernels hold [128, next_pow2(E + 2)] compare tiles: past this many experts they
+# would spill heavily (and past ~8190 not compile), so larger E takes the torch layout.
+LAYOUT_KERNELS_MAX_E = 1022
 
 
 def _cdiv(a, b):
@@ -143,7 +146,7 @@ def build_layout(
 ) -> Layout:
     """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
     if world.world_size == 1:
-        if topk_ids.is_cuda or interpreted():
+        if (topk_ids.is_cuda or interpreted()) and num_experts <= LAYOUT_KERNELS_MAX_E:
             return _build_layout_one_rank_kernels(
                 topk_ids, num_experts, block_m, max_tokens_per_rank
             )
@@ -372,6 +375,10 @@ def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) ->
     T, K = topk_ids.shape
     TK = T * K
     ids = topk_ids.contiguous()
+    if not ids.is_cuda and ids.numel() and not bool(((ids >= -1) & (ids < E)).all()):
+        # (on the GPU fused_experts checks them without a sync) an id >= E would leave a
+        # slot unwritten in the kernels, where the torch layout raises
+        raise ValueError(f"topk_ids out of range [-1, {E})")
     with launch_lock():
         hist, cnt, BLK, EB = counts_one_rank(ids, E, interpreted())
 
@@ -386,11 +393,15 @@ def _build_layout_one_rank_kernels(topk_ids, E, block_m, max_tokens_per_rank) ->
         n_tiles=1, row_tok=rows_cap, row_src=rows_cap, row_local_expert=rows_cap,
         row_slot=rows_cap,
     )  # fmt: skip
-    flat = torch.empty(sum(sizes.values()), dtype=torch.int32, device=device)
-    out, off = {}, 0
+    # Every field starts on a 64-byte boundary: Triton specializes pointer arguments on their
+    # 16-byte alignment, so fields at offsets that follow T x K would make the consumer
+    # kernels compile new variants whenever T changed parity.
+    offs, off = {}, 0
     for k, n in sizes.items():
-        out[k] = flat[off : off + n]
-        off += n
+        offs[k] = off
+        off += -(-n // 16) * 16
+    flat = torch.empty(max(off, 1), dtype=torch.int32, device=device)
+    out = {k: flat[offs[k] : offs[k] + n] for k, n in sizes.items()}
     with launch_lock():
         place_one_rank(ids, E, block_m, rows_cap, hist, cnt, BLK, EB, out, interpreted())
     chunks = _zeros_i32(chunks_cap * 5, device).view(chunks_cap, 5)

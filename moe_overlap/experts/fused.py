@@ -888,9 +888,14 @@ def _dw_in_epilogue(b2, dy, F: int) -> bool:
     ``row_dot``'s traffic with ``T K x H``: measured on the H200 (2026-12-04, sweep_bwd.py) the
     dispatch GEMM took +0.09 ms at qwen3-30b-a3b (F 768, H 2048) against row_dot's 0.18 ms,
     but +0.30 ms at mixtral-8x7b (F 14336, H 4096) against ~0.08.
+    Not in fp16: the GEMM's A rows are ``w * dy`` in the input dtype, and fp16's range turns
+    them subnormal or zero for ordinary small weights (a 1e-6 weight gave d w = 0), where bf16
+    and fp32 keep fp32's exponent range.
     ``MOE_OVERLAP_DW_EPILOGUE=0`` / ``1`` forces it off / on (A/B runs, tests)."""
     env = os.environ.get("MOE_OVERLAP_DW_EPILOGUE")
     if b2 is not None or not (dy.is_cuda or interpreted()) or env == "0":
+        return False
+    if dy.dtype not in (torch.bfloat16, torch.float32):
         return False
     return env == "1" or F < dy.shape[1]
 

@@ -271,6 +271,28 @@ def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
     test_forward_backward(spec)
 
 
+@pytest.mark.parametrize("cfg", ["128,256,64,8,3,8,4", "128,256,64,8,3,8,2", "128,128,64,8,4,8"])
+@pytest.mark.parametrize("act", ["swiglu", "relu"])
+def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
+    # One rank, no bias: d topk_weights from the dispatch GEMM's epilogue partials (forced on:
+    # F 1000 > H 512 here), every epilogue slicing, with a few zero weights (the o-row path).
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", cfg)
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", "1")
+    spec = (1, (1024,), 512, 1000, 8, 2, act, False, "zipf")
+    prob = make_problem(*spec)
+    prob["ranks"][0]["wts"].view(-1)[::17] = 0.0
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def fn(world):
+        lv = leaves_of(prob, 0, world.device, requires_grad=True)
+        d = prob["ranks"][0]
+        y = call(lv, d["ids"].to(world.device), world, prob["act"])
+        (y * d["gy"].to(world.device)).sum().backward()
+        return y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()}
+
+    check(prob, [fn(local_world(device))], device, backward=True, tag=f"{act} {cfg}")
+
+
 # ------------------------------------------------------------------------------ delayed producers
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("where", ["op", "layer0", "layer1"])

@@ -19,7 +19,16 @@ FIELDS = (
 
 
 @pytest.mark.parametrize(
-    "T,E,K,bm", [(16384, 128, 8, 128), (8192, 256, 8, 128), (16384, 8, 2, 128), (1000, 64, 6, 64)]
+    "T,E,K,bm",
+    [
+        (16384, 128, 8, 128),
+        (8192, 256, 8, 128),
+        (16384, 8, 2, 128),
+        (1000, 64, 6, 64),
+        (131072, 128, 8, 128),  # 1M assignments: 8192 blocks in the scan
+        (1000, 64, 6, 96),  # BM not a power of two: the per-row expert search
+        (4096, 1022, 4, 128),  # the largest E the kernels take
+    ],
 )
 @pytest.mark.parametrize("routing", ["uniform", "drop", "hot"])
 @pytest.mark.parametrize("static", [False, True])
