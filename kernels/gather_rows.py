@@ -7,6 +7,9 @@ optionally times ``row_scale[r]``), a row a peer pushed into the receive buffer
 One pass: read each row once, write it once. The torch version (``index_select``, an fp32
 multiply, a cast, two ``where`` selects) moved the ``[R, H]`` rows five to seven times; the
 product is rounded once from fp32 in both, so the results are bitwise equal.
+
+``row_scale`` (the backward's per-row combine weight) is one launch too: its torch form was
+seven small ops, each a launch and a gap on the GPU.
 """
 
 import torch
@@ -51,6 +54,49 @@ def _gather_rows_kernel(
         v = tl.where(remote[:, None], vr, v)
     dst = out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :]
     tl.store(dst, v.to(out_ptr.dtype.element_ty), mask=rm[:, None] & cm[None, :])
+
+
+@triton.jit
+def _row_scale_kernel(tok_ptr, slot_ptr, sorted_ptr, w_ptr, out_ptr, R, BR: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    rm = r < R
+    tok = tl.load(tok_ptr + r, mask=rm, other=-2)
+    local = rm & (tok >= 0)
+    j = tl.load(slot_ptr + r, mask=local, other=0)
+    a = tl.load(sorted_ptr + j, mask=local, other=0)
+    w = tl.load(w_ptr + a, mask=local, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r, tl.where(local, w, tl.where(tok == -1, 1.0, 0.0)), mask=rm)
+
+
+def row_scale(
+    row_tok_R: torch.Tensor,
+    row_slot_R: torch.Tensor,
+    sorted_assign_A: torch.Tensor,
+    w_A: torch.Tensor,
+    interpreted: bool = False,
+) -> torch.Tensor:
+    """``[R]`` fp32: ``w[sorted_assign[row_slot[r]]]`` for local rows (``row_tok >= 0``), 1
+    for rows peers send (-1, already scaled there), 0 for padding. ``row_tok_R``,
+    ``row_slot_R``, ``sorted_assign_A``: int32; ``w_A [T*K]`` any float dtype."""
+    R = row_tok_R.shape[0]
+    out = torch.empty(R, dtype=torch.float32, device=row_tok_R.device)
+    if R == 0:
+        return out
+    if w_A.numel() == 0:  # no assignments: nothing is local, every load is masked
+        w_A = out
+    BR = 32 if interpreted else 1024
+    launch(
+        _row_scale_kernel,
+        (triton.cdiv(R, BR),),
+        row_tok_R,
+        row_slot_R,
+        sorted_assign_A if sorted_assign_A.numel() else row_tok_R,
+        w_A,
+        out,
+        R,
+        BR=BR,
+    )
+    return out
 
 
 def gather_rows(

@@ -228,6 +228,11 @@ _SCRIPT = textwrap.dedent(
         build(moe_layout._key_start_kernel, dict(cnt_ptr="*i32", E="i32"), dict(EB=EB),
               warps=4, stages=1)
         n += 3
+    for wt in ("*fp32", "*bf16"):
+        build(gather_rows._row_scale_kernel, dict(tok_ptr="*i32", slot_ptr="*i32",
+              sorted_ptr="*i32", w_ptr=wt, out_ptr="*fp32", R="i32"), dict(BR=1024), warps=4,
+              stages=1)
+        n += 1
     build(moe_layout._scan_kernel, dict(hist_ptr="*i32", cnt_ptr="*i32", NB="i32", E="i32"),
           dict(RB=64, EC=32), warps=4, stages=1)
     n += 1

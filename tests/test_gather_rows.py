@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_overlap.kernels.gather_rows import gather_rows
+from moe_overlap.kernels.gather_rows import gather_rows, row_scale
 
 
 def torch_gather(x, tok, recv, scale):
@@ -37,3 +37,25 @@ def test_gather_rows_equals_torch_bitwise(dtype, T, R, H, with_recv, with_scale)
         torch.testing.assert_close(out, want, rtol=2**-7, atol=0)
     else:
         assert torch.equal(out, want), (out - want).abs().max()
+
+
+@pytest.mark.parametrize("R,A", [(1, 1), (37, 20), (64, 0), (5, 9)])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_row_scale_equals_torch(R, A, wdtype):
+    # w[sorted_assign[row_slot[r]]] for local rows, 1 for rows from peers, 0 for padding
+    g = torch.Generator().manual_seed(R * 10 + A)
+    tok = torch.randint(-2, 5, (R,), generator=g).to(torch.int32)
+    if A == 0:
+        tok = torch.where(tok >= 0, torch.full_like(tok, -1), tok)
+    slot = torch.randint(0, max(A, 1), (R,), generator=g).to(torch.int32)
+    slot = torch.where(tok >= 0, slot, torch.full_like(slot, -7))  # never read there
+    sorted_a = torch.randperm(max(A, 1), generator=g)[:A].to(torch.int32)
+    w = (torch.rand(A, generator=g) + 0.1).to(wdtype)
+    got = row_scale(tok, slot, sorted_a, w, interpreted=True)
+    t = tok.long()
+    want = torch.where(t == -1, 1.0, 0.0)
+    if A:
+        wl = w.float()[sorted_a.long()[slot.long().clamp(min=0)]]
+        want = torch.where(t >= 0, wl, want)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)

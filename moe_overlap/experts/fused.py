@@ -45,6 +45,7 @@ import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
 from ..kernels.gather_rows import gather_rows
+from ..kernels.gather_rows import row_scale as _row_scale_kernel
 from ..kernels.launch import launch as _launch
 from ..kernels.launch import warming_up, warmup_only
 from ..kernels.moe_layer0 import ACT_CODES, _layer0_kernel
@@ -869,8 +870,13 @@ def _forward_body(x, topk_weights, w1, w2, b1, b2, world, layout, activation, ne
 
 def _bwd_row_scale(layout: Layout, wflat, row_slot) -> torch.Tensor:
     """``[R]`` fp32: the combine weight of each local row (its dy row is scaled by it), 1 for
-    rows peers send (already scaled there), 0 for padding. Seven small ops (it was twelve: on
-    the GPU each costs the host about as much as the GPU)."""
+    rows peers send (already scaled there), 0 for padding. One kernel on the GPU and in the
+    interpreter (``kernels/gather_rows.py``), else seven torch ops (the reference for it)."""
+    if layout.row_tok.is_cuda or interpreted():
+        with launch_lock():
+            return _row_scale_kernel(
+                layout.row_tok, row_slot, layout.sorted_assign, wflat, interpreted()
+            )
     tok = layout.row_tok
     sent = (tok == -1).to(torch.float32)
     if not wflat.numel():
@@ -978,7 +984,6 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     T, H = dy.shape
     K = layout.top_k
     ws = _workspace(world, layout, H, dy.dtype)
-    valid = _valid_rows(layout)
     wflat = topk_weights.contiguous().view(-1)
 
     # layer 1: dispatch dy * w (mirror of the combine) into a GEMM with w2 -> d h
@@ -1025,7 +1030,9 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
     dx = _bwd_combine(d_gu, layout, w1, world, row_slot, ws, H)
     d_w1 = _grouped_wgrad(d_gu, x_rows, layout, w1.dtype, world)
     # rows past the last tile are never written: mask them for the bias's row sum
-    d_b1 = _expert_sum(_mask_rows(d_gu, valid), layout).to(b1.dtype) if b1 is not None else None
+    d_b1 = None
+    if b1 is not None:
+        d_b1 = _expert_sum(_mask_rows(d_gu, _valid_rows(layout)), layout).to(b1.dtype)
     return dx, d_w.to(topk_weights.dtype), d_w1, d_w2, d_b1, d_b2
 
 
