@@ -26,8 +26,8 @@ the accumulator, so its block config is its own (``layer0_config("dact")``): at 
 plain-GEMM 128x256 it spilled, 18.5 ms for 3.85 TFLOP (208 TFLOP/s); 128x128, 4 stages: 7.5-8.0
 ms (481-515 TFLOP/s; ``torch._grouped_mm`` on the same GEMM 5.7-5.8 ms), qwen3-30b-a3b 1.21 ms
 against 3.7 (``tests/gpu/sweep_bwd.py``, 2026-12-03; 3 stages 9.3 ms, 4 warps 19.1 ms). With the
-epilogue in column slices (``EPI_SUB`` 2 or 4: the accumulator is split with reshape/permute/
-split and each slice loads only its own gate/up columns) 128x256 no longer spills: 4 slices,
+epilogue in column slices (``EPI_SUB`` 2, 4 or 8: the accumulator is split with reshape/permute/
+split and each slice loads only its own gate/up columns) 128x256 spills far less: 4 slices,
 3 stages, 6.65 ms (579 TFLOP/s) at mixtral-8x7b, 0.875 ms at qwen3-30b-a3b (grouped_mm 0.757),
 4.01 ms at deepseek-v3 (grouped_mm 4.10); 2 slices 6.67 / 0.897 / 4.06 ms; the default now.
 ``DW`` (one rank, no ``b2``): the epilogue also sums ``act(pre) * h`` per row into one partial
@@ -36,6 +36,9 @@ weights' gradient without re-reading layer 1's rows. It costs registers (Triton 
 sm_90a, 4 slices: spill loads 2348 -> 3632 bytes per thread) and time: on the H200
 (2026-12-04) +0.09 ms at qwen3-30b-a3b against the 0.18 ms of ``row_dot`` it saves, +0.30 ms
 at mixtral-8x7b against ~0.08, so the host takes it only where ``F < H``.
+``EPI_SUB`` 8 (32-column slices at BN 256) cuts the spills further (same ptxas: spill loads
+2348 -> 572 bytes without ``DW``, 3632 -> 1568 with it); not yet timed on the GPU, so it is a
+tuning candidate (``tune --op moe``), not the default.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
@@ -644,6 +647,22 @@ def _layer0_kernel(
                     if EPI_SUB == 2:
                         p = _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
                         p += _dact_store(h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT, DW)
+                    elif EPI_SUB == 8:
+                        q = BN // 8  # (offsets only: a reshape needs the constexpr inline)
+                        h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
+                        h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))
+                        a0, a1 = tl.split(tl.permute(tl.reshape(h00, (BM, 2, BN // 8)), (0, 2, 1)))
+                        p = _dact_store(a0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(a1, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        a2, a3 = tl.split(tl.permute(tl.reshape(h01, (BM, 2, BN // 8)), (0, 2, 1)))
+                        p += _dact_store(a2, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(a3, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        a4, a5 = tl.split(tl.permute(tl.reshape(h10, (BM, 2, BN // 8)), (0, 2, 1)))
+                        p += _dact_store(a4, c + 4 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(a5, c + 5 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        a6, a7 = tl.split(tl.permute(tl.reshape(h11, (BM, 2, BN // 8)), (0, 2, 1)))
+                        p += _dact_store(a6, c + 6 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        p += _dact_store(a7, c + 7 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
                     else:
                         h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
                         h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))

@@ -98,15 +98,15 @@ _SCRIPT = textwrap.dedent(
             USE_TIMER=True, TRACE=False, DACT=dact, B_MODE=2, A_TMA=True, FLAT=False),
             stages=4)
         n += 1
-    # ... and its 128x256 configs with the epilogue in 2 or 4 column slices, writing the
+    # ... and its 128x256 configs with the epilogue in 2, 4 or 8 column slices, writing the
     # d topk_weights partials (DW) as one rank launches it
-    for dact, epi in itertools.product((0, 1), (2, 4)):
+    for dact, epi in itertools.product((0, 1), (2, 4, 8)):
         types = dict(t0, w_desc=f"tensordesc<{dt}[64, 256]>", a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=4, HAS_BIAS=False, SAVE_GU=False, HAS_SCALE=True,
             ROW_SCALE=False, EVEN_K=True, BM=128, BN=256, BK=64, CH=64, BH=128, GROUP_M=8,
             USE_TIMER=True, TRACE=False, DACT=dact, EPI_SUB=epi, B_MODE=2, A_TMA=True,
-            FLAT=False, DW=epi == 4))
+            FLAT=False, DW=epi >= 4))
         n += 1
     l1_ptrs = dict(
         h_ptr="*" + dt, w_ptr="*" + dt, b_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32",

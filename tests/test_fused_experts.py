@@ -259,7 +259,7 @@ def test_forward_backward_matches_reference(case):
     check_against_reference(prob, got)
 
 
-@pytest.mark.parametrize("epi", [2, 4])
+@pytest.mark.parametrize("epi", [2, 4, 8])
 @pytest.mark.parametrize(
     "case",
     [
@@ -272,12 +272,13 @@ def test_forward_backward_matches_reference(case):
 def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     # The backward's dispatch GEMM at BN 32 with its epilogue in 2 or 4 column slices (the
     # GPU's 128x256 configs): slices past F are masked, the rest must match the reference.
-    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,32,16,4,1,8,{epi}")
+    bn = 64 if epi == 8 else 32  # slices of at least 8 columns
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,{bn},16,4,1,8,{epi}")
     prob = make_problem(case)
     check_against_reference(prob, run_fused(prob))
 
 
-@pytest.mark.parametrize("epi", [1, 4])
+@pytest.mark.parametrize("epi", [1, 4, 8])
 @pytest.mark.parametrize(
     "case",
     [
@@ -292,7 +293,8 @@ def test_weights_grad_from_epilogue_partials_with_zero_and_tiny_weights(case, ep
     # partials divided by the weight; zero and tiny weights must take the o-row path instead.
     from moe_overlap.kernels import row_dot as rd
 
-    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,32,16,4,1,8,{epi}")
+    bn = 64 if epi == 8 else 32
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", f"16,{bn},16,4,1,8,{epi}")
     monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", "1")  # F >= H here would choose row_dot
     prob = make_problem(case)
     w = prob.wts[0]

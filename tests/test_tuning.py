@@ -37,7 +37,13 @@ def test_pinned_backward_dispatch_config_is_used(monkeypatch):
     assert fused.layer0_config("dact", 2, pin)["num_stages"] == 3
     monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,256,64,8,3,16,2")
     assert fused.layer0_config("dact", 2, pin)["EPI"] == 2
-    for bad in ("128,256,64,8,3,16,3", "128,16,64,8,3,16,4", "128,256,64,8,3,16,2,1"):
+    for bad in (
+        "128,256,64,8,3,16,3",
+        "128,16,64,8,3,16,4",
+        "128,32,64,8,3,16,8",
+        "128,256,64,8,3,16,16",
+        "128,256,64,8,3,16,2,1",
+    ):
         monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", bad)
         with pytest.raises(ValueError, match="MOE_OVERLAP_L0B_CONFIG"):
             fused.layer0_config("dact", 2, pin)

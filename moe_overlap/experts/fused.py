@@ -71,8 +71,10 @@ def _env_cfg(name):
     if len(parts) >= 6:
         cfg["GM"] = parts[5]
     if len(parts) == 7:
-        if parts[6] not in (1, 2, 4) or parts[1] % (parts[6] * 8):
-            raise ValueError(f"{name}={v!r}: EPI (epilogue slices) must be 1, 2 or 4 and divide BN")
+        if parts[6] not in (1, 2, 4, 8) or parts[1] % (parts[6] * 8):
+            raise ValueError(
+                f"{name}={v!r}: EPI (epilogue slices) must be 1, 2, 4 or 8, BN a multiple of 8 EPI"
+            )
         cfg["EPI"] = parts[6]
     return cfg
 

@@ -262,7 +262,7 @@ def test_forward_backward(spec):
     check(prob, got, device, backward=True, tag=str(spec))
 
 
-@pytest.mark.parametrize("cfg", ["128,256,64,8,3,8,2", "128,256,64,8,3,8,4"])
+@pytest.mark.parametrize("cfg", ["128,256,64,8,3,8,2", "128,256,64,8,3,8,4", "128,256,64,8,3,8,8"])
 @pytest.mark.parametrize("spec", [BACKWARD[0], BACKWARD[2]], ids=lambda s: f"W{s[0]}-{s[6]}")
 def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
     # The backward's dispatch GEMM at 128x256 with its epilogue in column slices, in bf16 (F
@@ -271,7 +271,9 @@ def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
     test_forward_backward(spec)
 
 
-@pytest.mark.parametrize("cfg", ["128,256,64,8,3,8,4", "128,256,64,8,3,8,2", "128,128,64,8,4,8"])
+@pytest.mark.parametrize(
+    "cfg", ["128,256,64,8,3,8,4", "128,256,64,8,3,8,2", "128,256,64,8,3,8,8", "128,128,64,8,4,8"]
+)
 @pytest.mark.parametrize("act", ["swiglu", "relu"])
 def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
     # One rank, no bias: d topk_weights from the dispatch GEMM's epilogue partials (forced on:
