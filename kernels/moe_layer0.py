@@ -38,7 +38,10 @@ sm_90a, 4 slices: spill loads 2348 -> 3632 bytes per thread) and time: on the H2
 at mixtral-8x7b against ~0.08, so the host takes it only where ``F < H``.
 ``EPI_SUB`` 8 (32-column slices at BN 256) cuts the spills further (same ptxas: spill loads
 2348 -> 572 bytes without ``DW``, 3632 -> 1568 with it); not yet timed on the GPU, so it is a
-tuning candidate (``tune --op moe``), not the default.
+tuning candidate (``tune --op moe``), not the default. The forward's SwiGLU epilogue takes
+``EPI_SUB`` too (``MOE_OVERLAP_L0_CONFIG``'s 7th field): with ``SAVE_GU`` (training) at 128x128
+it spilled 1028 bytes a thread, in 2 slices 436, in 4 none (same ptxas); untimed, so off by
+default.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner
@@ -332,6 +335,25 @@ def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr, DW: t
     return p
 
 
+@triton.jit
+def _swiglu_store(g, u, cols, rows64, rmask, N, gu_ptr, stride_gm, out_ptr, stride_om, rs, bad,
+                  SAVE_GU: tl.constexpr, ROW_SCALE: tl.constexpr):  # fmt: skip
+    """Forward SwiGLU epilogue of one column slice (``EPI_SUB`` > 1): the saved gate/up
+    columns, then ``h`` (padding rows zero, NaN where a wait timed out)."""
+    cmask = cols < N
+    omask = rmask[:, None] & cmask[None, :]
+    if SAVE_GU:
+        gp = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+        tl.store(gp, g.to(gu_ptr.dtype.element_ty), mask=omask)
+        tl.store(gp + N, u.to(gu_ptr.dtype.element_ty), mask=omask)
+    h = g * tl.sigmoid(g) * u
+    if ROW_SCALE:
+        h = h * rs[:, None]
+    h = tl.where(bad, float("nan"), tl.where(rmask[:, None], h, 0.0))
+    dst = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+    tl.store(dst, h.to(out_ptr.dtype.element_ty), mask=cmask[None, :])
+
+
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
 def _layer0_kernel(
     x_ptr,
@@ -605,77 +627,124 @@ def _layer0_kernel(
                     acc_u += bias_u.to(tl.float32)[None, :]
             omask = rmask[:, None] & cmask[None, :]
             rows64 = rows.to(tl.int64)
-            if SAVE_GU:
-                tl.store(
-                    gu_ptr + rows64[:, None] * stride_gm + cols[None, :],
-                    acc.to(gu_ptr.dtype.element_ty),
-                    mask=omask,
-                )
-                if ACT == 0:
-                    tl.store(
-                        gu_ptr + rows64[:, None] * stride_gm + N + cols[None, :],
-                        acc_u.to(gu_ptr.dtype.element_ty),
-                        mask=omask,
-                    )
-            if ACT == 0:
-                h = acc * tl.sigmoid(acc) * acc_u
-            else:
-                h = apply_act(acc, ACT)
             if ROW_SCALE:
                 rs = tl.load(row_scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-                h = h * rs[:, None]
-            if nbad > 0:
-                h = tl.full((BM, BN), float("nan"), tl.float32)
-            if DACT < 0:
-                # padding rows of the tile as zeros (the backward's wgrad reads them)
-                tl.store(
-                    out_ptr + rows64[:, None] * stride_om + cols[None, :],
-                    tl.where(rmask[:, None], h, 0.0).to(out_ptr.dtype.element_ty),
-                    mask=cmask[None, :],
-                )
             else:
-                # backward: d pre from h = d(act output) and the saved pre-activations
-                pre_rows = gu_ptr + rows64[:, None] * stride_gm
-                dst_rows = out_ptr + rows64[:, None] * stride_om
+                rs = tl.zeros((BM,), tl.float32)
+            if DACT < 0 and ACT == 0 and EPI_SUB > 1:
+                # Forward SwiGLU in column slices: both accumulators and their bf16 copies for
+                # SAVE_GU live at once otherwise (ptxas: ~1 KB of spills a thread at 128x128)
                 c = nt * BN + tl.arange(0, BN // EPI_SUB)
-                if EPI_SUB == 1:
-                    p = _dact_store(h, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                ga, gb = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                ua, ub = tl.split(tl.permute(tl.reshape(acc_u, (BM, 2, BN // 2)), (0, 2, 1)))
+                if EPI_SUB == 2:
+                    _swiglu_store(ga, ua, c, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+                    _swiglu_store(gb, ub, c + BN // 2, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
                 else:
-                    # The saved gate/up tiles of a 128x256 block beside its accumulator spill,
-                    # so a sliced epilogue loads them one column slice at a time.
-                    h0, h1 = tl.split(tl.permute(tl.reshape(h, (BM, 2, BN // 2)), (0, 2, 1)))
-                    if EPI_SUB == 2:
-                        p = _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT, DW)
-                    elif EPI_SUB == 8:
-                        q = BN // 8  # (offsets only: a reshape needs the constexpr inline)
-                        h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
-                        h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))
-                        a0, a1 = tl.split(tl.permute(tl.reshape(h00, (BM, 2, BN // 8)), (0, 2, 1)))
-                        p = _dact_store(a0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(a1, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        a2, a3 = tl.split(tl.permute(tl.reshape(h01, (BM, 2, BN // 8)), (0, 2, 1)))
-                        p += _dact_store(a2, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(a3, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        a4, a5 = tl.split(tl.permute(tl.reshape(h10, (BM, 2, BN // 8)), (0, 2, 1)))
-                        p += _dact_store(a4, c + 4 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(a5, c + 5 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        a6, a7 = tl.split(tl.permute(tl.reshape(h11, (BM, 2, BN // 8)), (0, 2, 1)))
-                        p += _dact_store(a6, c + 6 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(a7, c + 7 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                    g0, g1 = tl.split(tl.permute(tl.reshape(ga, (BM, 2, BN // 4)), (0, 2, 1)))
+                    u0, u1 = tl.split(tl.permute(tl.reshape(ua, (BM, 2, BN // 4)), (0, 2, 1)))
+                    g2, g3 = tl.split(tl.permute(tl.reshape(gb, (BM, 2, BN // 4)), (0, 2, 1)))
+                    u2, u3 = tl.split(tl.permute(tl.reshape(ub, (BM, 2, BN // 4)), (0, 2, 1)))
+                    q = BN // 4
+                    _swiglu_store(g0, u0, c, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+                    _swiglu_store(g1, u1, c + q, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+                    _swiglu_store(g2, u2, c + 2 * q, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+                    _swiglu_store(g3, u3, c + 3 * q, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+            else:
+                if SAVE_GU:
+                    tl.store(
+                        gu_ptr + rows64[:, None] * stride_gm + cols[None, :],
+                        acc.to(gu_ptr.dtype.element_ty),
+                        mask=omask,
+                    )
+                    if ACT == 0:
+                        tl.store(
+                            gu_ptr + rows64[:, None] * stride_gm + N + cols[None, :],
+                            acc_u.to(gu_ptr.dtype.element_ty),
+                            mask=omask,
+                        )
+                if ACT == 0:
+                    h = acc * tl.sigmoid(acc) * acc_u
+                else:
+                    h = apply_act(acc, ACT)
+                if ROW_SCALE:
+                    h = h * rs[:, None]
+                if nbad > 0:
+                    h = tl.full((BM, BN), float("nan"), tl.float32)
+                if DACT < 0:
+                    # padding rows of the tile as zeros (the backward's wgrad reads them)
+                    tl.store(
+                        out_ptr + rows64[:, None] * stride_om + cols[None, :],
+                        tl.where(rmask[:, None], h, 0.0).to(out_ptr.dtype.element_ty),
+                        mask=cmask[None, :],
+                    )
+                else:
+                    # backward: d pre from h = d(act output) and the saved pre-activations
+                    pre_rows = gu_ptr + rows64[:, None] * stride_gm
+                    dst_rows = out_ptr + rows64[:, None] * stride_om
+                    c = nt * BN + tl.arange(0, BN // EPI_SUB)
+                    if EPI_SUB == 1:
+                        p = _dact_store(h, c, pre_rows, dst_rows, rmask, N, DACT, DW)
                     else:
-                        h00, h01 = tl.split(tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1)))
-                        h10, h11 = tl.split(tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1)))
-                        q = BN // 4
-                        p = _dact_store(h00, c, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(h01, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(h10, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                        p += _dact_store(h11, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
-                if DW:
-                    # one partial per (slot, column tile): summed (and unscaled) by
-                    # row_dot.weights_grad_from_partials; padding rows have no slot
-                    sl = tl.load(dw_slot_ptr + rows, mask=rmask, other=-1)
-                    tl.store(dw_ptr + sl.to(tl.int64) * n_n + nt, p, mask=rmask & (sl >= 0))
+                        # The saved gate/up tiles of a 128x256 block beside its accumulator spill,
+                        # so a sliced epilogue loads them one column slice at a time.
+                        h0, h1 = tl.split(tl.permute(tl.reshape(h, (BM, 2, BN // 2)), (0, 2, 1)))
+                        if EPI_SUB == 2:
+                            p = _dact_store(h0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(
+                                h1, c + BN // 2, pre_rows, dst_rows, rmask, N, DACT, DW
+                            )
+                        elif EPI_SUB == 8:
+                            q = BN // 8  # (offsets only: a reshape needs the constexpr inline)
+                            h00, h01 = tl.split(
+                                tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1))
+                            )
+                            h10, h11 = tl.split(
+                                tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1))
+                            )
+                            a0, a1 = tl.split(
+                                tl.permute(tl.reshape(h00, (BM, 2, BN // 8)), (0, 2, 1))
+                            )
+                            p = _dact_store(a0, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(a1, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            a2, a3 = tl.split(
+                                tl.permute(tl.reshape(h01, (BM, 2, BN // 8)), (0, 2, 1))
+                            )
+                            p += _dact_store(a2, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(a3, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            a4, a5 = tl.split(
+                                tl.permute(tl.reshape(h10, (BM, 2, BN // 8)), (0, 2, 1))
+                            )
+                            p += _dact_store(a4, c + 4 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(a5, c + 5 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            a6, a7 = tl.split(
+                                tl.permute(tl.reshape(h11, (BM, 2, BN // 8)), (0, 2, 1))
+                            )
+                            p += _dact_store(a6, c + 6 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(a7, c + 7 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                        else:
+                            h00, h01 = tl.split(
+                                tl.permute(tl.reshape(h0, (BM, 2, BN // 4)), (0, 2, 1))
+                            )
+                            h10, h11 = tl.split(
+                                tl.permute(tl.reshape(h1, (BM, 2, BN // 4)), (0, 2, 1))
+                            )
+                            q = BN // 4
+                            p = _dact_store(h00, c, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(h01, c + q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(h10, c + 2 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                            p += _dact_store(h11, c + 3 * q, pre_rows, dst_rows, rmask, N, DACT, DW)
+                    if DW:
+                        # one partial per (slot, column tile): summed (and unscaled) by
+                        # row_dot.weights_grad_from_partials; padding rows have no slot
+                        sl = tl.load(dw_slot_ptr + rows, mask=rmask, other=-1)
+                        tl.store(dw_ptr + sl.to(tl.int64) * n_n + nt, p, mask=rmask & (sl >= 0))
             if TRACE:
                 t_end = trace_clock(trace_ptr + trace_rows * 6, USE_TIMER)
                 trace_record(trace_ptr, trace_rows, t, rank, pid, t_start, t_wait, t_end)

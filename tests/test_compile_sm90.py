@@ -88,6 +88,15 @@ _SCRIPT = textwrap.dedent(
             BK=64, CH=64, BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact,
             B_MODE=mode, A_TMA=True, FLAT=flat))
         n += 1
+    # the training forward's SwiGLU epilogue in 2 or 4 column slices (EPI_SUB)
+    for epi in (2, 4):
+        types = dict(t0, w_desc=desc[1], a_desc=f"tensordesc<{dt}[128, 64]>")
+        build(moe_layer0._layer0_kernel, types, dict(
+            W=1, El=4, ROLE=0, ACT=0, HAS_BIAS=True, SAVE_GU=True, HAS_SCALE=False,
+            ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128, GROUP_M=16,
+            USE_TIMER=True, TRACE=False, DACT=-1, EPI_SUB=epi, B_MODE=1, A_TMA=True,
+            FLAT=False))
+        n += 1
     # the one-rank backward's dispatch GEMM as launched: staged rows that carry the scale
     # already (ROW_SCALE off), no trace, unflattened, the "dact" config (4 stages)
     for dact in (0, 1):

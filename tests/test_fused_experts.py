@@ -278,6 +278,24 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
+@pytest.mark.parametrize("epi", [2, 4])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, (9,), 13, 20, 4, 2, "swiglu", True, "hot"),  # F 20: one ragged 32-wide N tile
+        Case(2, (7, 4), 13, 40, 4, 2, "swiglu", False, "uniform"),
+        Case(1, (11,), 24, 40, 5, 3, "gelu", False, "zipf"),  # EPI is ignored off SwiGLU
+    ],
+    ids=str,
+)
+def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
+    # Layer 0's forward at BN 32 with its SwiGLU epilogue (saved gate/up and h) in column
+    # slices (MOE_OVERLAP_L0_CONFIG's EPI); forward and backward must match the reference.
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", f"16,32,16,4,1,8,{epi}")
+    prob = make_problem(case)
+    check_against_reference(prob, run_fused(prob))
+
+
 @pytest.mark.parametrize("epi", [1, 4, 8])
 @pytest.mark.parametrize(
     "case",

@@ -473,7 +473,7 @@ def _launch_layer0(
         USE_TIMER=world.use_timer,
         TRACE=trace is not None,
         DACT=ACT_CODES[dact] if dact is not None else -1,
-        EPI_SUB=cfg.get("EPI", 1) if dact is not None else 1,
+        EPI_SUB=cfg.get("EPI", 1),
         B_MODE=b_mode,
         A_TMA=a_desc is not None,
         FLAT=flat,

@@ -93,7 +93,7 @@ def pinned(device: torch.device, dtype: torch.dtype, H: int, F: int, E: int, K: 
 def _as_cfg(c):
     cfg = dict(BM=c[0], BN=c[1], BK=c[2], num_warps=c[3], num_stages=c[4], GM=c[5])
     if len(c) > 6:
-        cfg["EPI"] = c[6]  # the backward epilogue's column slices
+        cfg["EPI"] = c[6]  # the epilogue's column slices
     return cfg
 
 

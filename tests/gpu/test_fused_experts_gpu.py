@@ -295,6 +295,15 @@ def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
     check(prob, [fn(local_world(device))], device, backward=True, tag=f"{act} {cfg}")
 
 
+@pytest.mark.parametrize("epi", [2, 4])
+@pytest.mark.parametrize("spec", [BACKWARD[0], BACKWARD[2]], ids=lambda s: f"W{s[0]}-{s[6]}")
+def test_forward_backward_sliced_swiglu_forward_epilogue(spec, epi, monkeypatch):
+    # The training forward's SwiGLU epilogue (saved gate/up, h) in column slices.
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", f"128,128,64,8,3,16,{epi}")
+    monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,256,64,8,3,8,4")
+    test_forward_backward(spec)
+
+
 # ------------------------------------------------------------------------------ delayed producers
 @pytest.mark.parametrize("W", [2, 4])
 @pytest.mark.parametrize("where", ["op", "layer0", "layer1"])
