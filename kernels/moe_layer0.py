@@ -631,7 +631,7 @@ def _layer0_kernel(
                 rs = tl.load(row_scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             else:
                 rs = tl.zeros((BM,), tl.float32)
-            if DACT < 0 and ACT == 0 and EPI_SUB > 1:
+            if DACT < 0 and ACT == 0 and (EPI_SUB == 2 or EPI_SUB == 4):
                 # Forward SwiGLU in column slices: both accumulators and their bf16 copies for
                 # SAVE_GU live at once otherwise (ptxas: ~1 KB of spills a thread at 128x128)
                 c = nt * BN + tl.arange(0, BN // EPI_SUB)

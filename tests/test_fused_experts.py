@@ -278,7 +278,7 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
-@pytest.mark.parametrize("epi", [2, 4])
+@pytest.mark.parametrize("epi", [2, 4, 8])  # 8: the forward keeps one piece (2 and 4 only)
 @pytest.mark.parametrize(
     "case",
     [
@@ -291,7 +291,8 @@ def test_backward_with_a_sliced_epilogue(case, epi, monkeypatch):
 def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
     # Layer 0's forward at BN 32 with its SwiGLU epilogue (saved gate/up and h) in column
     # slices (MOE_OVERLAP_L0_CONFIG's EPI); forward and backward must match the reference.
-    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", f"16,32,16,4,1,8,{epi}")
+    bn = 64 if epi == 8 else 32
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", f"16,{bn},16,4,1,8,{epi}")
     prob = make_problem(case)
     check_against_reference(prob, run_fused(prob))
 
