@@ -888,9 +888,10 @@ def _bwd_row_scale(layout: Layout, wflat, row_slot) -> torch.Tensor:
     return torch.where(local, wflat.index_select(0, a).to(torch.float32), sent)
 
 
-def _dw_in_epilogue(b2, dy, F: int) -> bool:
-    """Whether the one-rank backward takes d topk_weights from the dispatch GEMM's epilogue
-    partials (``kernels/row_dot.py``) instead of re-reading ``o`` with ``row_dot``: kernels
+def _dw_slot(layout: Layout, world: World, b2, dy, F: int):
+    """The ``dw_slot`` argument of the backward's dispatch GEMM (the rows' slots), or None:
+    whether the backward takes d topk_weights from that GEMM's epilogue partials
+    (``kernels/row_dot.py``) instead of re-reading ``o`` with ``row_dot``. One rank, kernels
     only (GPU or the interpreter), no ``b2``, and only where the GEMM is narrower than the
     rows ``row_dot`` reads (``F < H``). The epilogue's extra work grows with ``R x F``,
     ``row_dot``'s traffic with ``T K x H``: measured on the H200 (2026-12-04, sweep_bwd.py) the
@@ -901,11 +902,11 @@ def _dw_in_epilogue(b2, dy, F: int) -> bool:
     and fp32 keep fp32's exponent range.
     ``MOE_OVERLAP_DW_EPILOGUE=0`` / ``1`` forces it off / on (A/B runs, tests)."""
     env = os.environ.get("MOE_OVERLAP_DW_EPILOGUE")
-    if b2 is not None or not (dy.is_cuda or interpreted()) or env == "0":
-        return False
-    if dy.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    return env == "1" or F < dy.shape[1]
+    if world.world_size != 1 or b2 is not None or not (dy.is_cuda or interpreted()):
+        return None
+    if env == "0" or dy.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    return layout.row_slot if env == "1" or F < dy.shape[1] else None
 
 
 def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None, dw_slot=None):
@@ -997,7 +998,7 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
         # in the forward; and d topk_weights comes from partials its epilogue writes, without
         # reading o again (a bias b2 adds <b2, dy>, which the partials do not hold).
         g_rows = _gather_rows(layout, dy, ws.recv, row_scale=row_scale)
-        fuse_dw = _dw_in_epilogue(b2, dy, w2.shape[2])
+        dw_slot = _dw_slot(layout, world, b2, dy, w2.shape[2])
         d_gu, part = _bwd_dispatch(
             dy,
             layout,
@@ -1009,9 +1010,9 @@ def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
             gu,
             act,
             a_rows=g_rows,
-            dw_slot=row_slot if fuse_dw else None,
+            dw_slot=dw_slot,
         )
-        if fuse_dw:
+        if dw_slot is not None:
             with launch_lock():
                 d_w = weights_grad_from_partials(
                     part, wflat, o, dy, layout.slot_of, K, interpreted()

@@ -222,10 +222,7 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
                             gu,
                             "swiglu",
                             a_rows,
-                            dw_slot=layout.row_slot
-                            if world.world_size == 1
-                            and fused._dw_in_epilogue(None, dy, w2.shape[2])
-                            else None,
+                            dw_slot=fused._dw_slot(layout, world, None, dy, w2.shape[2]),
                         )
                     )
         if tbs:

@@ -75,7 +75,7 @@ def run(name):
                 gu,
                 "swiglu",
                 a_rows=g_rows,
-                dw_slot=layout.row_slot if fused._dw_in_epilogue(None, dy, F) else None,
+                dw_slot=fused._dw_slot(layout, world, None, dy, F),
             )[0]
 
         try:
