@@ -37,11 +37,15 @@ sm_90a, 4 slices: spill loads 2348 -> 3632 bytes per thread) and time: on the H2
 (2026-12-04) +0.09 ms at qwen3-30b-a3b against the 0.18 ms of ``row_dot`` it saves, +0.30 ms
 at mixtral-8x7b against ~0.08, so the host takes it only where ``F < H``.
 ``EPI_SUB`` 8 (32-column slices at BN 256) cuts the spills further (same ptxas: spill loads
-2348 -> 572 bytes without ``DW``, 3632 -> 1568 with it); not yet timed on the GPU, so it is a
-tuning candidate (``tune --op moe``), not the default. The forward's SwiGLU epilogue takes
-``EPI_SUB`` too (``MOE_OVERLAP_L0_CONFIG``'s 7th field): with ``SAVE_GU`` (training) at 128x128
-it spilled 1028 bytes a thread, in 2 slices 436, in 4 none (same ptxas); untimed, so off by
-default.
+2348 -> 572 bytes without ``DW``, 3632 -> 1568 with it) but is slower: on the H200
+(``sweep_bwd.py``, 2026-12-04) 1.106 / 1.003 ms with / without ``DW`` at qwen3-30b-a3b against
+1.018 / 0.847 for 4 slices, 7.586 / 7.202 against 7.260 / 6.698 at mixtral-8x7b (more, narrower
+slices issue more of the saved gate/up loads; fewer spills do not pay for them). It stays a
+valid config, not a tuning candidate. The forward's SwiGLU epilogue takes ``EPI_SUB`` too
+(``MOE_OVERLAP_L0_CONFIG``'s 7th field): with ``SAVE_GU`` (training) at 128x128 it spilled 1028
+bytes a thread, in 2 slices 436, in 4 none (same ptxas), yet the forward+backward did not move
+(qwen3-30b-a3b 8.131 / 8.264 ms in one piece, 8.166 in 4 slices, 8.189 in 2; olmoe 9.606
+against 9.503 in 4, within the machine's 1-2% spread): off by default.
 
 Flags live in the world's signal pad and are reset by their owner in ``World.begin_op``, then
 the ready epoch is published: so a producer can only write into a receive buffer whose owner

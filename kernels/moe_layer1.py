@@ -37,6 +37,23 @@ backward then needed; one rank now keeps the GEMM's buffer instead) -> 0.175 ms;
 left at the top-8 H-2048 shapes is the reduction's own traffic (``T x K x H`` rows read once),
 which the floor does not have. At W > 1 the reduction stays persistent and tiled like the GEMM:
 it waits per GEMM column tile.
+
+Tried and dropped (2026-12-04): the one-rank combine *in the GEMM's epilogue*, without float
+atomics: each tile counts its rows into a per-(token, column tile) counter (acq_rel atomics
+after a CTA barrier) and the tile that brings a token to its kept count sums the token's K rows
+in k order (the same fp32 arithmetic, bitwise equal to this file's reduction in the
+interpreter; equal within bf16 rounding and to the reference in 18 H200 tests). On the H200 it
+lost badly: layer 1 at qwen3-30b-a3b 1.76 ms (32-column slices) / 1.56 ms (64) against 0.85 ms
+with the reduction launch, olmoe 1.72 against 0.98, mixtral-8x7b 5.82 against 5.64; qwen3's
+forward+backward 9.67 against 8.29 ms. Why: a token is ready only once its last expert's tile
+is done, so with random routing most tokens finish in the last tenth of the GEMM, and from the
+middle on nearly every tile holds a few finishing rows; their epilogue is a dependent chain
+(slot loads, then row loads from HBM, slice after slice) that the same warps wait out, as
+this kernel has no warp specialization to hide it behind the next tile's MMAs. Wider slices
+spill (ptxas, sm_90a: 64 columns at top-8 ~3.4 KB of spill loads a thread, 32 columns no more
+than the GEMM alone), and Triton 3.6's loop fusion (``FLAT``) fails to compile the epilogue's
+data-dependent branch (TritonGPUFuseNestedLoops; 3.9 takes it). Revisit with a
+warp-specialized epilogue.
 """
 
 import triton
