@@ -297,6 +297,19 @@ def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
+@pytest.mark.parametrize("env", ["32,128", "32,100,4", "a,b,c", "0,128,4"])
+def test_bad_combine_config_is_rejected(env, monkeypatch):
+    monkeypatch.setattr(fused, "interpreted", lambda: False)  # the knob is for the GPU
+    monkeypatch.setenv("MOE_OVERLAP_COMBINE_CONFIG", env)
+    with pytest.raises(ValueError, match="MOE_OVERLAP_COMBINE_CONFIG"):
+        fused._combine_config(1, 256)
+    assert fused._combine_config(2, 256) == (32, 256, 4)  # W > 1 tiles like the GEMM
+    monkeypatch.setenv("MOE_OVERLAP_COMBINE_CONFIG", "16,256,8")
+    assert fused._combine_config(1, 256) == (16, 256, 8)
+    monkeypatch.delenv("MOE_OVERLAP_COMBINE_CONFIG")
+    assert fused._combine_config(1, 256) == (16, 128, 4)
+
+
 @pytest.mark.parametrize("epi", [1, 4, 8])
 @pytest.mark.parametrize(
     "case",
