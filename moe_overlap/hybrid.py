@@ -72,6 +72,7 @@ from torch import nn
 
 from . import reference
 from .config import MoEConfig
+from .dispatch.router import router_logits
 from .experts.layer import MoELayer
 from .tp.linear import ColumnParallelLinear, RowParallelLinear
 from .world import World
@@ -224,8 +225,8 @@ class TensorParallelAttention(nn.Module):
 def _router_loss_share(x_TH, weight_EH, counts_E, cfg: MoEConfig, n_tokens: int):
     """This rank's share of the router losses of ``n_tokens`` tokens (all ranks): see the
     module docstring. ``counts_E`` are the *global* pre-drop assignment counts (no grad)."""
-    cd = torch.float64 if torch.float64 in (x_TH.dtype, weight_EH.dtype) else torch.float32
-    logits = x_TH.to(cd) @ weight_EH.to(cd).t()
+    logits = router_logits(x_TH, weight_EH)  # the router's own fp32 (or float64) logits
+    cd = logits.dtype
     E, K = cfg.num_experts, cfg.top_k
     loss = logits.new_zeros(())
     if cfg.aux_loss_coef != 0.0:

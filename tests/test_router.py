@@ -169,3 +169,73 @@ def test_router_bad_input(x, err):
         r(x)
     with pytest.raises(TypeError):
         Router(dict(hidden_size=H))
+
+
+def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in bf16 units in the last place between two bf16 tensors."""
+    ia = a.view(torch.int16).to(torch.int32)
+    ib = b.view(torch.int16).to(torch.int32)
+    # sign-magnitude -> a monotone integer line
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+@pytest.mark.parametrize("T, Eh, Hh", [(0, 4, 8), (1, 3, 5), (37, 8, 11), (64, 16, 96)])
+def test_router_logits_bf16_matches_float64(T, Eh, Hh):
+    """The bf16 path's logits are the fp32 GEMM of the same values, and its gradients agree with
+    float64 to one bf16 rounding (the hi + lo split of d logits keeps 16 significant bits)."""
+    from moe_overlap.dispatch.router import router_logits
+
+    g = torch.Generator().manual_seed(1000 + T + Eh)
+    # magnitudes over several octaves, so the lo half of the split matters
+    x = randn((T, Hh), generator=g) * torch.exp2(torch.randint(-6, 6, (T, 1), generator=g))
+    x = x.bfloat16().requires_grad_()
+    w = (randn((Eh, Hh), generator=g, scale=0.05)).bfloat16().requires_grad_()
+    dl = randn((T, Eh), generator=g) * torch.exp2(torch.randint(-20, 0, (T, Eh), generator=g))
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32 and out.shape == (T, Eh)
+    want = x.detach().double() @ w.detach().double().t()
+    assert_close(out, want, rtol=1e-6, atol=1e-6, name="logits")
+    out.backward(dl)
+    dx64 = dl.double() @ w.detach().double()
+    dw64 = dl.double().t() @ x.detach().double()
+    assert x.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.bfloat16
+    assert _bf16_ulps(x.grad, dx64.bfloat16()) <= 1, "dx"
+    assert _bf16_ulps(w.grad, dw64.bfloat16()) <= 1, "d weight"
+    # the single-bf16 rounding of d logits alone would not be this close
+    if T >= 37:
+        coarse = dl.bfloat16().double() @ w.detach().double()
+        assert _bf16_ulps(coarse.bfloat16(), dx64.bfloat16()) > 1
+
+
+def test_router_logits_other_dtypes_keep_their_path():
+    from moe_overlap.dispatch.router import router_logits
+
+    g = torch.Generator().manual_seed(3)
+    x = randn((5, H), generator=g)
+    w = randn((E, H), generator=g)
+    assert torch.equal(router_logits(x, w), x @ w.t())
+    assert router_logits(x.bfloat16(), w).dtype == torch.float32  # mixed: fp32 path
+    assert router_logits(x.double(), w).dtype == torch.float64
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_router_bf16_module_gradients(score_func):
+    """A bf16 Router (the bf16 MoELayer's) against float64 with the same bf16 values."""
+    cfg = MoEConfig(H, 5, E, 2, score_func=score_func, aux_loss_coef=0.3, z_loss_coef=0.02)
+    r = _router(cfg, torch.bfloat16, seed=11)
+    g = torch.Generator().manual_seed(12)
+    x = randn((29, H), torch.bfloat16, generator=g).requires_grad_()
+    G = randn((29, 2), generator=g)
+    out = r(x)
+    ((out.topk_weights * G).sum() + out.aux_loss).backward()
+    w64 = r.weight.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    want = ref.route(x64, w64, cfg)
+    assert torch.equal(out.topk_ids, want.topk_ids)
+    aux = cfg.aux_loss_coef * want.aux_loss + cfg.z_loss_coef * want.z_loss
+    ((want.topk_weights * G.double()).sum() + aux).backward()
+    assert_close(out.topk_weights, want.topk_weights, dtype=torch.float32, name="weights")
+    assert_close(r.weight.grad, w64.grad, dtype=torch.bfloat16, name="router weight grad")
+    assert_close(x.grad, x64.grad, dtype=torch.bfloat16, name="x grad")

@@ -51,3 +51,37 @@ def test_moe_layer_matches_reference_bf16(shared):
     assert rel_error(y, yr) < 3e-2
     assert rel_error(x.grad, xr.grad) < 6e-2
     assert torch.isfinite(layer.aux_loss)
+
+
+@pytest.mark.parametrize("T, E, H", [(16384, 128, 2048), (777, 8, 512), (1, 256, 7168), (0, 8, 64)])
+def test_router_logits_bf16_tensor_cores(T, E, H):
+    """The bf16 router's exact-product GEMMs against float64 on the same bf16 values: logits to
+    fp32 accumulation error, dx and d weight to about one bf16 rounding."""
+    from moe_overlap.dispatch.router import router_logits
+
+    g = torch.Generator(device="cuda").manual_seed(T + E)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(E, H, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
+    dl = torch.randn(T, E, device="cuda", generator=g) * 1e-3
+    out = router_logits(x, w)
+    assert out.dtype == torch.float32
+    want = x.detach().double() @ w.detach().double().t()
+    if T:
+        # Exact products, but the tensor cores' fp32 accumulation is coarser than fp32 SIMT's:
+        # measured 1.4e-6 against 1.1e-7 at T 16384, H 2048 (2026-12-04); bf16 x itself
+        # carries 4e-3.
+        simt = x.detach().float() @ w.detach().float().t()
+        err, err32 = rel_error(out, want), rel_error(simt, want)
+        print(f"logits rel. error: tensor cores {err:.2e}, fp32 SIMT {err32:.2e}")
+        assert err < 1e-5
+    out.backward(dl)
+    dx64 = dl.double() @ w.detach().double()
+    dw64 = dl.double().t() @ x.detach().double()
+    if T:
+        assert rel_error(x.grad, dx64) < 4e-3  # bf16 output rounding
+        assert rel_error(w.grad, dw64) < 4e-3
+        # no worse than the fp32 path rounded to bf16
+        fp32_dx = (dl @ w.detach().float()).bfloat16()
+        assert rel_error(x.grad, dx64) <= 1.05 * rel_error(fp32_dx, dx64) + 1e-6
+    else:
+        assert x.grad.shape == (0, H) and not w.grad.abs().any()
