@@ -40,6 +40,53 @@ def _union_ms(iv):
     return tot / 1e3
 
 
+def _print_gaps(kern, top: int = 12):
+    """The largest idle stretches of the profiled steps, with the kernels on either side (where
+    the GPU waited for the host: a sync, a slow launch, Python between launches)."""
+    ks = sorted(kern, key=lambda e: e.time_range.start)
+    gaps, end, prev = [], None, None
+    for e in ks:
+        if end is not None and e.time_range.start > end:
+            gaps.append((e.time_range.start - end, prev.name[:60], e.name[:60]))
+        if end is None or e.time_range.end > end:
+            end, prev = e.time_range.end, e
+    gaps.sort(key=lambda g: -g[0])
+    tot = sum(g[0] for g in gaps) / 1e3 / 3
+    print(f"   idle between kernels {tot:.3f} ms a step; largest gaps (us, after -> before):")
+    for us, a, b in gaps[:top]:
+        print(f"   {us:8.1f}  {a}  ->  {b}")
+
+
+def _host_probe(case, first: int) -> None:
+    """Host time of back-to-back steps (no sync inside the timed loop): at or above the GPU
+    time, the host is the limit. Then one step under ``set_sync_debug_mode("error")``: the first
+    synchronizing call raises, and its frames say where it is."""
+    import time
+    import traceback
+
+    torch.cuda.synchronize()
+    ts = []
+    for i in range(20):
+        t = time.perf_counter()
+        case.step(first + i)
+        ts.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    ts.sort()
+    print(f"   host time per step {ts[len(ts) // 2]:.3f} ms (median of 20, no sync)")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        case.step(first + 20)
+        print("   no synchronizing call in a step")
+    except RuntimeError as e:
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if "moe_overlap" in f.filename]
+        print(f"   a step synchronizes: {str(e)[:80]}")
+        for f in frames[-4:]:
+            print(f"     {f.filename.split('moe_overlap')[-1]}:{f.lineno} {f.line}")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
 def main(preset, names):
     from moe_overlap import init_world
 
@@ -54,7 +101,10 @@ def main(preset, names):
         t = Hs._timed_calls(case.step, dev, 8, 20)["ms"]
         t.sort()
         print(f"== {preset} {name}: event time {t[len(t) // 2]:.3f} ms (median of 20)")
-        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        _host_probe(case, 40)
+        # CUDA activity only: tracing the CPU side too slows the host enough to open gaps of
+        # its own (~200-300 us before most kernels on the H200, 2026-12-04)
+        acts = [torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             for i in range(3):
                 case.step(30 + i)
@@ -67,6 +117,7 @@ def main(preset, names):
             f"   per step: GPU span {span:.3f} ms, kernels busy {busy:.3f} ms, idle"
             f" {span - busy:.3f} ms, {len(kern) // 3} kernels"
         )
+        _print_gaps(kern)
         by = defaultdict(lambda: [0.0, 0])
         for e in kern:
             by[e.name[:80]][0] += e.device_time / 1e3 / 3
