@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from moe_overlap.kernels import (gather_rows, moe_counts, moe_layer0, moe_layer1, moe_layout,
-                                     row_dot)
+                                     router_topk, row_dot)
 
     TARGET = GPUTarget("cuda", 90, 32)
 
@@ -245,6 +245,21 @@ _SCRIPT = textwrap.dedent(
     build(moe_layout._scan_kernel, dict(hist_ptr="*i32", cnt_ptr="*i32", NB="i32", E="i32"),
           dict(RB=64, EC=32), warps=4, stages=1)
     n += 1
+    # the router's top-k, forward and backward, at E 128 (BT 32) and 256 (BT 16), K 8 and 6
+    rf = dict(logits_ptr="*fp32", bias_ptr="*fp32", ids_ptr="*i64", w_ptr="*fp32",
+              counts_ptr="*i64", scale="fp32")
+    rb = dict(logits_ptr="*fp32", ids_ptr="*i64", dw_ptr="*fp32", dl_in_ptr="*fp32",
+              out_ptr="*bf16", scale="fp32")
+    for (BE, BT, K), sig, flag in itertools.product(((128, 32, 8), (256, 16, 6)), (False, True),
+                                                    (False, True)):
+        build(router_topk._topk_fwd_kernel, types_for(router_topk._topk_fwd_kernel, rf), dict(
+            K=K, KP=8, BT=BT, BE=BE, SIGMOID=sig, HAS_BIAS=flag, NORM=not flag), warps=4,
+            stages=1)
+        build(router_topk._topk_bwd_kernel, types_for(router_topk._topk_bwd_kernel, dict(
+            rb, out_ptr="*bf16" if flag else "*fp32")), dict(K=K, KP=8, BT=BT, BE=BE,
+            SIGMOID=sig, NORM=not flag, HAS_DW=True, HAS_DL=flag, SPLIT=flag), warps=4,
+            stages=1)
+        n += 2
     print(f"compiled {n} MoE kernel variants for sm_90")
     """
 )

@@ -146,7 +146,13 @@ def test_moe_layer_matches_reference(W, tokens, over, hot):
         assert_close(grads["w1"], W1.grad[sl], name="d gate_up_proj")
         assert_close(grads["w2"], W2.grad[sl], name="d down_proj")
     # Replicated parameters: the sum of every rank's local gradient is the global one.
-    assert_close(sum(r[5]["router"] for r in res), R.grad, name="d router.weight")
+    d_router = sum(r[5]["router"] for r in res)
+    if R.grad.abs().max() < 1e-15:
+        # a saturated router (the hot case: expert 0's logit ~60 above the rest) has a float64
+        # gradient of 1e-25 or exactly 0; fp32 paths differ there by rounding alone
+        assert d_router.abs().max() < 1e-12, "d router.weight should vanish"
+    else:
+        assert_close(d_router, R.grad, name="d router.weight")
     if fs:
         assert_close(sum(r[5]["sw1"] for r in res), SW1.grad, name="d shared gate_up_proj")
 

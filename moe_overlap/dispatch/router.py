@@ -9,6 +9,12 @@ an independent, vectorized implementation of them:
 * Selection sorts the selection scores with a *stable* descending sort and keeps the first K,
   so an exact tie goes to the lower expert id (group-limited: the lower group id), matching the
   reference. ``torch.topk`` leaves ties unspecified.
+* fp32 logits without group-limited routing, on CUDA (or in the Triton interpreter), take two
+  kernels instead (``kernels/router_topk.py``): scores, the same tie rule by repeated argmax,
+  renormalization, scaling and the counts in one pass, and the backward to ``d logits`` in
+  another (split for the bf16 GEMMs below). They replace a stable sort over ``[T, E]`` and about
+  twenty small launches; tests hold their ids bitwise equal to the sort's, ties included.
+  ``torch.compile`` keeps the torch form.
 * Capacity: the ``T*K`` assignments are laid out choice-rank-major (``j = k*T + t``), sorted
   stably by expert id, and each one's position inside its expert's run is ``j_sorted -
   run_start``; an assignment is kept when that position is below the capacity.
@@ -33,12 +39,16 @@ every world size starts from the same numbers for one seed.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..config import MoEConfig, expert_capacity
+from ..kernels.launch import warmup_only
+from ..kernels.router_topk import route_topk, route_topk_backward
+from ..world.base import interpreted, launch_lock
 
 __all__ = ["Router", "RouterOutput", "init_router_weight_", "router_logits", "ROUTER_INIT_STD"]
 
@@ -82,27 +92,99 @@ def _split_bf16(v_TE: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _logits_grads(d, x_TH, w_EH, needs):
+    """``(dx, d weight)`` of ``logits = x @ w^T`` from ``d``: bf16 ``[T, 2E]`` (``hi | lo``, the
+    bf16 path) or fp32 ``[T, E]``; None where ``needs`` says no."""
+    dx = dw = None
+    if d.dtype == torch.bfloat16:
+        E = w_EH.shape[0]
+        if needs[0]:
+            w2 = torch.cat([w_EH, w_EH], dim=0)  # [2E, H]
+            # One rounding to bf16, like the fp32 path's cast of its fp32 dx: cuBLAS
+            # accumulates in fp32 and splits no K this short (2E).
+            dx = (d @ w2) if d.is_cuda else _mm_f32(d, w2).to(x_TH.dtype)
+        if needs[1]:
+            dw2 = _mm_f32(d.t(), x_TH)  # [2E, H]
+            dw = (dw2[:E] + dw2[E:]).to(w_EH.dtype)
+        return dx, dw
+    if needs[0]:
+        dx = (d @ w_EH.to(d.dtype)).to(x_TH.dtype)
+    if needs[1]:
+        dw = (d.t() @ x_TH.to(d.dtype)).to(w_EH.dtype)
+    return dx, dw
+
+
+def _bf16_pair(x_TH, w_EH) -> bool:
+    return x_TH.dtype == torch.bfloat16 and w_EH.dtype == torch.bfloat16
+
+
+def _logits(x_TH, w_EH) -> torch.Tensor:
+    """fp32 logits without autograd (the two Functions below)."""
+    if _bf16_pair(x_TH, w_EH):
+        return _mm_f32(x_TH, w_EH.t())
+    return x_TH.float() @ w_EH.float().t()
+
+
 class _Bf16Logits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TH, w_EH):
         ctx.save_for_backward(x_TH, w_EH)
-        return _mm_f32(x_TH, w_EH.t())
+        return _logits(x_TH, w_EH)
 
     @staticmethod
     def backward(ctx, d_TE):
         x_TH, w_EH = ctx.saved_tensors
-        E = w_EH.shape[0]
         d2 = _split_bf16(d_TE.float().contiguous())  # [T, 2E]: d = d2[:, :E] + d2[:, E:]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            w2 = torch.cat([w_EH, w_EH], dim=0)  # [2E, H]
-            # One rounding to bf16, like the fp32 path's cast of its fp32 dx: cuBLAS accumulates
-            # in fp32 and splits no K this short (2E).
-            dx = (d2 @ w2) if d2.is_cuda else _mm_f32(d2, w2).to(x_TH.dtype)
-        if ctx.needs_input_grad[1]:
-            dw2 = _mm_f32(d2.t(), x_TH)  # [2E, H]
-            dw = (dw2[:E] + dw2[E:]).to(w_EH.dtype)
-        return dx, dw
+        return _logits_grads(d2, x_TH, w_EH, ctx.needs_input_grad)
+
+
+_WARM_BWD: set = set()
+
+
+class _RouteFn(torch.autograd.Function):
+    """Logits, scores, top-k, renormalization and counts with two kernels beside the GEMMs
+    (``kernels/router_topk.py``). Outputs ``(logits, ids, w, counts)``; gradients flow from
+    ``w`` and from ``logits`` (the aux and z losses use them) to ``x`` and the weight."""
+
+    @staticmethod
+    def forward(ctx, x_TH, w_EH, bias_E, k, sigmoid, norm, scale):
+        logits = _logits(x_TH, w_EH)
+        interp = interpreted()
+        with launch_lock():  # emulated ranks are threads; the interpreter is not thread-safe
+            ids, tw, counts = route_topk(logits, k, sigmoid, norm, scale, bias_E, interp)
+        ctx.save_for_backward(x_TH, w_EH, logits, ids)
+        ctx.mark_non_differentiable(ids, counts)
+        ctx.set_materialize_grads(False)
+        ctx.args = (sigmoid, norm, scale, _bf16_pair(x_TH, w_EH), interp)
+        if logits.is_cuda and any(ctx.needs_input_grad[:2]):
+            _warm_backward(logits, ids, ctx.args)
+        return logits, ids, tw, counts
+
+    @staticmethod
+    def backward(ctx, d_logits, _d_ids, d_w, _d_counts):
+        x_TH, w_EH, logits, ids = ctx.saved_tensors
+        sigmoid, norm, scale, split, interp = ctx.args
+        if d_logits is None and d_w is None:
+            return None, None, None, None, None, None, None
+        with launch_lock():
+            d = route_topk_backward(logits, ids, d_w, d_logits, sigmoid, norm, scale, split, interp)
+        dx, dw = _logits_grads(d, x_TH, w_EH, ctx.needs_input_grad)
+        return dx, dw, None, None, None, None, None
+
+
+def _warm_backward(logits, ids, args) -> None:
+    """Compile and load the backward kernel's variants in the forward (once each): emulated
+    ranks run their backward while peers' kernels may spin, and a first CUDA module load then
+    can wait for them (``kernels/launch.py``)."""
+    sigmoid, norm, scale, split, interp = args
+    for has_dl in (False, True):
+        key = (logits.device, logits.shape[1], ids.shape[1], sigmoid, norm, split, has_dl)
+        if key in _WARM_BWD:
+            continue
+        dl = logits if has_dl else None
+        with warmup_only():
+            route_topk_backward(logits, ids, logits, dl, sigmoid, norm, scale, split, interp)
+        _WARM_BWD.add(key)
 
 
 def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
@@ -169,6 +251,20 @@ class Router(nn.Module):
         if x.device != self.weight.device:
             raise ValueError(f"x is on {x.device} but the router weight is on {self.weight.device}")
 
+    def _kernel_path(self, x_TH: torch.Tensor, cd: torch.dtype) -> bool:
+        """Whether the top-k runs as ``kernels/router_topk.py``: fp32 logits (float64 keeps the
+        torch path, which tests compare tightly), no group-limited routing, on CUDA or in the
+        Triton interpreter (the CPU suite); not under ``torch.compile``, which traces the torch
+        path and fuses its small ops itself. ``MOE_OVERLAP_ROUTER_KERNEL=0`` turns it off."""
+        if cd != torch.float32 or self.cfg.n_group is not None:
+            return False
+        if torch.compiler.is_compiling():
+            return False
+        if os.environ.get("MOE_OVERLAP_ROUTER_KERNEL", "1") == "0":
+            return False
+        dev = x_TH.device.type
+        return dev == "cuda" or (dev == "cpu" and interpreted())
+
     def forward(self, x_TH: torch.Tensor) -> RouterOutput:
         """Route ``x_TH [T, H]`` (any float dtype). See the module docstring for the rules."""
         self._check(x_TH)
@@ -176,35 +272,45 @@ class Router(nn.Module):
         T = x_TH.shape[0]
         E, K = cfg.num_experts, cfg.top_k
         cd = torch.float64 if torch.float64 in (x_TH.dtype, self.weight.dtype) else torch.float32
-        logits = router_logits(x_TH, self.weight)
-        if cfg.score_func == "softmax":
-            scores = logits.softmax(dim=-1)
+        sigmoid = cfg.score_func == "sigmoid"
+        scores = None
+        if self._kernel_path(x_TH, cd):
+            bias = self.e_score_correction_bias
+            logits, ids, w, all_counts = _RouteFn.apply(
+                x_TH,
+                self.weight,
+                None if bias is None else bias.float().contiguous(),
+                K,
+                sigmoid,
+                cfg.norm_topk_prob,
+                cfg.routed_scaling_factor,
+            )
         else:
-            scores = logits.sigmoid()
+            logits = router_logits(x_TH, self.weight)
+            scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+            sel = scores.detach()
+            if self.e_score_correction_bias is not None:
+                sel = sel + self.e_score_correction_bias.to(cd)
+            if cfg.n_group is not None:
+                G = cfg.n_group
+                grouped = sel.view(T, G, E // G)
+                top2 = grouped.topk(min(2, E // G), dim=-1).values.sum(dim=-1)  # [T, G]
+                keep_g = _stable_topk_desc(top2, cfg.topk_group)
+                gmask = torch.zeros(T, G, dtype=torch.bool, device=sel.device)
+                gmask.scatter_(1, keep_g, True)
+                emask = gmask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
+                sel = sel.masked_fill(~emask, float("-inf"))
+            ids = _stable_topk_desc(sel, K)  # [T, K] int64, best first
 
-        sel = scores.detach()
-        if self.e_score_correction_bias is not None:
-            sel = sel + self.e_score_correction_bias.to(cd)
-        if cfg.n_group is not None:
-            G = cfg.n_group
-            grouped = sel.view(T, G, E // G)
-            top2 = grouped.topk(min(2, E // G), dim=-1).values.sum(dim=-1)  # [T, G]
-            keep_g = _stable_topk_desc(top2, cfg.topk_group)
-            gmask = torch.zeros(T, G, dtype=torch.bool, device=sel.device)
-            gmask.scatter_(1, keep_g, True)
-            emask = gmask.unsqueeze(-1).expand(T, G, E // G).reshape(T, E)
-            sel = sel.masked_fill(~emask, float("-inf"))
-        ids = _stable_topk_desc(sel, K)  # [T, K] int64, best first
+            w = scores.gather(1, ids)
+            if cfg.norm_topk_prob:
+                w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            if cfg.routed_scaling_factor != 1.0:
+                w = w * cfg.routed_scaling_factor
 
-        w = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        if cfg.routed_scaling_factor != 1.0:
-            w = w * cfg.routed_scaling_factor
-
-        ones = torch.ones(T * K, dtype=torch.int64, device=ids.device)
-        all_counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
-        all_counts.scatter_add_(0, ids.reshape(-1), ones)
+            ones = torch.ones(T * K, dtype=torch.int64, device=ids.device)
+            all_counts = torch.zeros(E, dtype=torch.int64, device=ids.device)
+            all_counts.scatter_add_(0, ids.reshape(-1), ones)
 
         if cfg.capacity_factor is not None:
             cap = expert_capacity(T, K, E, cfg.capacity_factor)
@@ -223,6 +329,8 @@ class Router(nn.Module):
         aux = None
         if cfg.aux_loss_coef != 0.0:
             f = all_counts.to(cd) / max(T * K, 1)
+            if scores is None:
+                scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
             P = scores.sum(dim=0) / max(T, 1)
             aux = cfg.aux_loss_coef * (E * (f * P).sum())
         if cfg.z_loss_coef != 0.0:
