@@ -2,7 +2,9 @@
 its epilogue), timed alone on one GPU (not a pytest file).
 
 python tests/gpu/sweep_bwd.py [preset ...]   # default mixtral-8x7b qwen3-30b-a3b
-SWEEP_CONFIGS="128,256,64,8,3,8,4 ..." picks the configs (BM,BN,BK,warps,stages,GROUP_M[,EPI]).
+SWEEP_CONFIGS="128,256,64,8,3,8,4 ..." picks the configs (BM,BN,BK,warps,stages,GROUP_M[,EPI]);
+a config may end in ``@N``: N persistent programs instead of one per SM (2 x SMs asks for two
+co-resident programs per SM, where registers and shared memory allow).
 Prints, per preset and config (``MOE_OVERLAP_L0B_CONFIG``), the median of
 ``triton.testing.do_bench`` and the rate on the GEMM's FLOPs, next to ``torch._grouped_mm`` on the
 same rows, and checks every config's ``d gu`` against the first one's.
@@ -60,7 +62,9 @@ def run(name):
     print(f"== {name}: grouped_mm d h alone {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s")
     ref = None
     for cfg in CONFIGS:
+        cfg, _, progs = cfg.partition("@")
         os.environ["MOE_OVERLAP_L0B_CONFIG"] = cfg
+        world.max_programs = int(progs) if progs else 132
 
         def step():
             # as the one-rank backward runs it: with the d topk_weights partials
@@ -88,8 +92,10 @@ def run(name):
         if ref is None:
             ref = out[real].float()
         err = ((out[real].float() - ref).norm() / ref.norm()).item()
-        print(f"  {cfg}: {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s  rel. diff {err:.1e}")
+        tag = cfg + (f"@{progs}" if progs else "")
+        print(f"  {tag}: {ms:.3f} ms {flop / ms / 1e9:.0f} TFLOP/s  rel. diff {err:.1e}")
     os.environ.pop("MOE_OVERLAP_L0B_CONFIG", None)
+    world.max_programs = 132
 
 
 if __name__ == "__main__":
