@@ -20,6 +20,9 @@ an independent, vectorized implementation of them:
   run_start``; an assignment is kept when that position is below the capacity.
 * Logits are fp32 whatever ``x``'s dtype (float64 stays float64 so tests can compare tightly);
   ``topk_weights`` are float32 (float64 for float64 input) and differentiable to the weight.
+* ``aux_loss`` is already scaled: ``aux_loss_coef * load_balance + z_loss_coef * z_loss``. A
+  term whose coefficient is 0 is skipped; with both 0 the result is a constant 0 tensor with no
+  autograd history.
 * bf16 ``x`` with a bf16 weight (a bf16 ``MoELayer``) takes :func:`router_logits`: a product of
   two bf16 values is exact in fp32, so one GEMM on the bf16 operands with an fp32 result gives
   the fp32 logits of the same values, without the fp32 copy of ``x`` and on tensor cores
