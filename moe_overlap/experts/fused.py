@@ -555,8 +555,8 @@ def _gather_rows(layout: Layout, x, recv, row_scale=None) -> torch.Tensor:
 def _combine_config(W: int, gemm_bn: int) -> tuple:
     """``(tokens, columns, warps)`` of a reduction tile. At W > 1 the reduction waits per GEMM
     column tile, so it tiles columns alike; at one rank narrower tiles keep the unrolled top-k
-    loads in registers, and 16 tokens beat 32: layer 1 at qwen3-30b-a3b 0.842-0.846 ms against
-    0.880 (the H200, 2026-12-04; 0.884 against 0.911 in another call).
+    loads in registers. 16 tokens, not 32: layer 1 at qwen3-30b-a3b 0.842 ms against 0.880 in
+    one H200 call (2026-12-04; 16x256 0.884 against 0.911 in another, equal in a third).
     ``MOE_OVERLAP_COMBINE_CONFIG=BT,BN,warps`` pins the one-rank tile (A/B runs; powers of
     two)."""
     if W > 1 or interpreted():
