@@ -62,6 +62,16 @@ tile loop into the K loop (``FLAT``, a win for layer 1) cost it: 0.779x. Inferen
 narrow GEMMs (2F < 2048, qwen3) keeps pointer loads of the gathered rows instead, since the
 staging pass costs the same bytes whatever the width: qwen3 0.94-1.02x in two calls that evening;
 every preset 0.917-1.065x (BENCHMARKS.md).
+Gate and up tiles in one TMA box (``B_MODE`` 3, ``load_gate_up``; 2026-12-04, night): one
+``[BK, 2 BN]`` B tile and one dot, so each warp group issues ``m64n256k16`` wgmmas that read their
+A tile from shared memory once, where the two ``n128`` dots read it twice. Same bits as the two
+dots. Measured (``tests/gpu/ab_layers.py``, L2 flushed between calls, 3 rounds): qwen3-30b-a3b
+1.537 ms against 1.590 (0.994x / 0.961x ``grouped_mm``), with the saved pre-activations 1.581
+against 1.741; olmoe 1.955 / 2.027 (0.963x / 0.929x), 2.042 / 2.250 saving; deepseek-v3 7.769 /
+8.533 ms; mixtral-8x7b equal (12.01 / 11.97). ``MOE_OVERLAP_L0_PAIR=0`` loads them apart.
+An L2 prefetch of the saved gate/up tile before the backward's main loop
+(``prefetch.global.L2`` by inline assembly) made that GEMM slower: 1.090 against 1.034 ms at
+qwen3-30b-a3b, 1.386 against 1.298 at olmoe; not kept.
 Block shape and GROUP_M sweeps (``bench tune``) move it < 5%.
 Compute-bound (7.7 TFLOP vs 3.1 GB moved); the gap is kernel efficiency, not the gather
 (BENCHMARKS.md).
@@ -164,9 +174,10 @@ def load_b_tile(
 
     ``B_MODE`` 0: pointer loads (any strides, masked). 1: TMA over the weight viewed as
     ``[El * NW, K]`` (k contiguous, the forward's layout). 2: TMA over ``[El * KW, N]`` (n
-    contiguous: the backward's transposed use). A tile that runs past its expert's rows reads
-    the next expert's (or TMA's zero fill): in mode 1 only for columns the epilogue masks, in
-    mode 2 only for k past the end, where the A tile is zero.
+    contiguous: the backward's transposed use). (Mode 3, SwiGLU's gate and up tiles in one box,
+    is ``load_gate_up``.) A tile that runs past its expert's rows reads the next expert's (or
+    TMA's zero fill): in mode 1 only for columns the epilogue masks, in mode 2 only for k past
+    the end, where the A tile is zero.
     """
     if B_MODE == 1:
         b = w_desc.load([le * NW + n0, k0]).T
@@ -199,6 +210,17 @@ def load_a_tile(
         )
         bm = cmask[None, :] & (ks[:, None] < K)
     return a, bm
+
+
+@triton.jit
+def load_gate_up(w_desc, le, n0, k0, BN: tl.constexpr, BK: tl.constexpr):
+    """``B_MODE`` 3: the gate rows ``[n0, n0 + BN)`` and the up rows ``F + n0 ...`` of expert
+    ``le`` as one ``[BK, 2 * BN]`` tile, by one TMA box ``[2, BN, BK]`` over the weight viewed as
+    ``[El * 2, F, K]`` (rows past F read TMA's zero fill, not the next expert's). One dot then
+    covers both halves: per warp group one ``m64n(2BN)`` wgmma that reads its A tile from shared
+    memory once, where two ``n(BN)`` dots read it twice."""
+    b = w_desc.load([le * 2, n0, k0])
+    return tl.reshape(b, (2 * BN, BK)).T
 
 
 @triton.jit
@@ -580,38 +602,27 @@ def _layer0_kernel(
             NW = N
             if ACT == 0:
                 NW = 2 * N
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            if ACT == 0:
-                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, H, BK):
-                ks = k0 + tl.arange(0, BK)
-                a, bm = load_a_tile(a_row, a_desc, r0, k0, ks, rmask, cmask, H, A_TMA, EVEN_K)
-                b = load_b_tile(
-                    w_base,
-                    w_desc,
-                    le,
-                    nt * BN,
-                    k0,
-                    cols,
-                    ks,
-                    NW,
-                    H,
-                    stride_wn,
-                    stride_wk,
-                    bm,
-                    B_MODE,
-                    BN,
-                    BK,
-                )
-                acc = tl.dot(a, b, acc)
+            if B_MODE == 3:
+                acc2 = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    ks = k0 + tl.arange(0, BK)
+                    a, bm = load_a_tile(a_row, a_desc, r0, k0, ks, rmask, cmask, H, A_TMA, EVEN_K)
+                    acc2 = tl.dot(a, load_gate_up(w_desc, le, nt * BN, k0, BN, BK), acc2)
+                acc, acc_u = tl.split(tl.permute(tl.reshape(acc2, (BM, 2, BN)), (0, 2, 1)))
+            else:
+                acc = tl.zeros((BM, BN), dtype=tl.float32)
                 if ACT == 0:
-                    bu = load_b_tile(
+                    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    ks = k0 + tl.arange(0, BK)
+                    a, bm = load_a_tile(a_row, a_desc, r0, k0, ks, rmask, cmask, H, A_TMA, EVEN_K)
+                    b = load_b_tile(
                         w_base,
                         w_desc,
                         le,
-                        N + nt * BN,
+                        nt * BN,
                         k0,
-                        cols + N,
+                        cols,
                         ks,
                         NW,
                         H,
@@ -622,7 +633,26 @@ def _layer0_kernel(
                         BN,
                         BK,
                     )
-                    acc_u = tl.dot(a, bu, acc_u)
+                    acc = tl.dot(a, b, acc)
+                    if ACT == 0:
+                        bu = load_b_tile(
+                            w_base,
+                            w_desc,
+                            le,
+                            N + nt * BN,
+                            k0,
+                            cols + N,
+                            ks,
+                            NW,
+                            H,
+                            stride_wn,
+                            stride_wk,
+                            bm,
+                            B_MODE,
+                            BN,
+                            BK,
+                        )
+                        acc_u = tl.dot(a, bu, acc_u)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + le * stride_be + cols, mask=cmask, other=0.0)
                 acc += bias.to(tl.float32)[None, :]

@@ -60,16 +60,18 @@ _SCRIPT = textwrap.dedent(
     t0 = types_for(moe_layer0._layer0_kernel, l0_ptrs)
     # forward (SwiGLU, saves gu) and the backward's dispatch GEMM with the SwiGLU / GELU
     # derivative in its epilogue (DACT)
-    # B_MODE (weight tiles): 0 pointer loads, 1 TMA k-contiguous (forward), 2 TMA
-    # n-contiguous (backward); descriptor arguments are None where unused.
-    desc = {1: f"tensordesc<{dt}[128, 64]>", 2: f"tensordesc<{dt}[64, 128]>"}
+    # B_MODE (weight tiles): 0 pointer loads, 1 TMA k-contiguous, 2 TMA n-contiguous
+    # (backward), 3 SwiGLU's gate and up tiles in one 3-d box (forward); descriptor arguments
+    # are None where unused.
+    desc = {1: f"tensordesc<{dt}[128, 64]>", 2: f"tensordesc<{dt}[64, 128]>",
+            3: f"tensordesc<{dt}[2, 128, 64]>"}
     variants = ((0, False, -1), (4, True, 0), (4, True, 1))
     for role, W, (act, scale, dact), tma in itertools.product(
         (0, 1, 2), (1, 2), variants, (False, True)
     ):
         if W == 1 and role != 0:
             continue
-        mode = (2 if scale else 1) if tma else 0
+        mode = (2 if scale else 3) if tma else 0
         types = dict(t0, w_desc=desc.get(mode, "i32"))
         build(moe_layer0._layer0_kernel, types, dict(
             W=W, El=4, ROLE=role, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
@@ -80,7 +82,7 @@ _SCRIPT = textwrap.dedent(
     # One rank: A rows staged contiguously and loaded by TMA, tile loop flattened (no trace)
     # or not (trace on)
     for (act, scale, dact), flat in itertools.product(variants, (True, False)):
-        mode = 2 if scale else 1
+        mode = 2 if scale else 3
         types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=act, HAS_BIAS=not scale, SAVE_GU=not scale,
@@ -88,13 +90,14 @@ _SCRIPT = textwrap.dedent(
             BK=64, CH=64, BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact,
             B_MODE=mode, A_TMA=True, FLAT=flat))
         n += 1
-    # the training forward's SwiGLU epilogue in 2 or 4 column slices (EPI_SUB)
-    for epi in (2, 4):
-        types = dict(t0, w_desc=desc[1], a_desc=f"tensordesc<{dt}[128, 64]>")
+    # the training forward's SwiGLU epilogue in 2 or 4 column slices (EPI_SUB), gate and up
+    # tiles paired (mode 3) or apart (MOE_OVERLAP_L0_PAIR=0)
+    for epi, mode in itertools.product((2, 4), (1, 3)):
+        types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=0, HAS_BIAS=True, SAVE_GU=True, HAS_SCALE=False,
             ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128, GROUP_M=16,
-            USE_TIMER=True, TRACE=False, DACT=-1, EPI_SUB=epi, B_MODE=1, A_TMA=True,
+            USE_TIMER=True, TRACE=False, DACT=-1, EPI_SUB=epi, B_MODE=mode, A_TMA=True,
             FLAT=False))
         n += 1
     # the one-rank backward's dispatch GEMM as launched: staged rows that carry the scale

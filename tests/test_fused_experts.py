@@ -621,7 +621,8 @@ def test_fp16():
 @pytest.mark.parametrize("W", [1, 2])
 def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     # 16-byte rows (H = 24, F = 20 in fp32) take the TMA descriptors: the weights k-contiguous
-    # in the forward (mode 1), n-contiguous in the backward (mode 2), layer 1's A rows too, and
+    # in the forward (layer 0's gate and up tiles in one 3-d box, mode 3; layer 1 mode 1),
+    # n-contiguous in the backward (mode 2), layer 1's A rows too, and
     # the flattened tile loops at W = 1, where layer 0's A rows are staged contiguously and
     # loaded by TMA too (forward and the backward's dispatch GEMM; H = 24 is not a multiple of
     # BK = 16, so the last K tile reads past the rows: TMA's zero fill). MOE_OVERLAP_TMA=0
@@ -646,9 +647,17 @@ def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     monkeypatch.setattr(fused, "_staged_rows_desc", spy_staged)
     got = run_fused(prob)
     check_against_reference(prob, got)
-    assert sorted(set(modes)) == [1, 2], modes
+    assert sorted(set(modes)) == [1, 2, 3], modes
     # W = 1: forward and backward layer 0 both staged; W = 2: never asked
     assert staged == ([True, True] if W == 1 else []), staged
+    # gate and up tiles loaded apart (MOE_OVERLAP_L0_PAIR=0): the same numbers
+    modes.clear()
+    staged.clear()
+    monkeypatch.setenv("MOE_OVERLAP_L0_PAIR", "0")
+    got_apart = run_fused(prob)
+    check_against_reference(prob, got_apart)
+    assert sorted(set(modes)) == [1, 2], modes
+    monkeypatch.delenv("MOE_OVERLAP_L0_PAIR")
     modes.clear()
     staged.clear()
     monkeypatch.setenv("MOE_OVERLAP_TMA", "0")

@@ -148,16 +148,22 @@ def _tma_usable(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * es) % 16 == 0
 
 
-def _weight_operand(w, n_rows: int, k_dim: int, n_dim: int, stride_wn, stride_wk, BN, BK):
+def _weight_operand(
+    w, n_rows: int, k_dim: int, n_dim: int, stride_wn, stride_wk, BN, BK, pair=False
+):
     """``(B_MODE, descriptor or None)`` for the weight ``w[l, n, k]`` of a grouped GEMM (see
     ``kernels.moe_layer0.load_b_tile``). ``n_rows``: rows of ``w[l]`` in the k-contiguous case
-    (N, or 2N for SwiGLU's gate and up halves)."""
+    (N, or 2N for SwiGLU's gate and up halves). ``pair`` (SwiGLU's forward): gate and up tiles
+    in one box (mode 3, ``load_gate_up``), unless ``MOE_OVERLAP_L0_PAIR=0``."""
     if w.dim() != 3 or not _tma_usable(w):
         return 0, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     El = w.shape[0]
-    if stride_wk == 1 and tuple(w.shape[1:]) == (n_rows, k_dim):
+    k_major = stride_wk == 1 and tuple(w.shape[1:]) == (n_rows, k_dim)
+    if pair and k_major and n_rows == 2 * n_dim and os.environ.get("MOE_OVERLAP_L0_PAIR") != "0":
+        return 3, TensorDescriptor.from_tensor(w.view(El * 2, n_dim, k_dim), [2, BN, BK])
+    if k_major:
         return 1, TensorDescriptor.from_tensor(w.view(El * n_rows, k_dim), [BN, BK])
     if stride_wn == 1 and tuple(w.shape[1:]) == (k_dim, n_dim):
         return 2, TensorDescriptor.from_tensor(w.view(El * k_dim, n_dim), [BK, BN])
@@ -404,7 +410,9 @@ def _launch_layer0(
     di = _dummy(device)
     df = _dummy(device, x.dtype)
     n_rows = 2 * N if act == "swiglu" else N
-    b_mode, w_desc = _weight_operand(w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"])
+    b_mode, w_desc = _weight_operand(
+        w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"], pair=act == "swiglu"
+    )
     a_desc = None
     if W == 1 and b_mode and (a_rows is not None or _stage_pays(n_rows)):
         a_desc = _staged_rows_desc(x, layout, recv, a_rows, BM, cfg["BK"])

@@ -1,0 +1,135 @@
+"""A/B of the fused MoE GEMMs under environment switches, in one process (not a pytest file).
+
+python tests/gpu/ab_layers.py [preset ...]      # default qwen3-30b-a3b olmoe
+AB="NAME=VAR=VALUE[+VAR=VALUE] ..." (default: the switches of the current experiment) picks the
+variants. Per preset it times, in interleaved rounds (``triton.testing.do_bench`` medians, the
+median over rounds), ``torch._grouped_mm`` on layer 0's GEMM and on the backward's dispatch
+GEMM, then layer 0 (inference and with the saved pre-activations) and the backward's dispatch
+GEMM under every variant, and checks each variant's output against the first variant's.
+"""
+
+import os
+import statistics
+import sys
+
+import torch
+import triton.testing
+
+from moe_overlap.bench.presets import get_moe_shape
+from moe_overlap.experts import fused, tuning
+from moe_overlap.world import init_world
+
+AB = os.environ.get("AB", "").split() or [
+    "pair=",
+    "apart=MOE_OVERLAP_L0_PAIR=0",
+    "pair-s3=MOE_OVERLAP_L0_CONFIG=128,128,64,8,3,8",
+    "pair-s4=MOE_OVERLAP_L0_CONFIG=128,128,64,8,4,8",
+    "pair-s4-gm16=MOE_OVERLAP_L0_CONFIG=128,128,64,8,4,16",
+    "pair-s3-epi2=MOE_OVERLAP_L0_CONFIG=128,128,64,8,3,8,2",
+]
+ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
+CPU = os.environ.get("TRITON_INTERPRET") == "1"  # a logic check of this script, tiny and fp16
+
+
+def variants():
+    """``[(name, env)]``; every variant's env names every variable any variant sets (unset
+    ones as None), so a variant never inherits the one before it."""
+    out = []
+    for spec in AB:
+        name, _, assigns = spec.partition("=")
+        out.append((name, dict(a.split("=", 1) for a in assigns.split("+") if a)))
+    keys = {k for _, env in out for k in env}
+    return [(name, {k: env.get(k) for k in keys}) for name, env in out]
+
+
+def _set(env):
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def run(name):
+    dev = torch.device("cpu" if CPU else "cuda")
+    dt = torch.float16 if CPU else torch.bfloat16
+    world = init_world()
+    s = get_moe_shape(name)
+    T, H, F, E, K = (40, 64, 48, 4, 2) if CPU else (s.tokens, s.hidden, s.ffn, s.experts, s.topk)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, dt)
+    wts, ids = torch.randn(T, E, generator=g).to(dev).softmax(-1).topk(K, -1)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, dt)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, dt)
+    dy = torch.randn(T, H, generator=g).to(dev, dt)
+    pinned = tuning.pinned(dev, x.dtype, H, F, E, K)
+    layout = fused.dispatch_layout(ids, E, world, None, pinned)
+    ws = fused._workspace(world, layout, H, x.dtype)
+    _, gu = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)
+    wflat = wts.contiguous().view(-1)
+    row_scale = fused._bwd_row_scale(layout, wflat, fused._row_slots(layout, ws.slot))
+    g_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+    M = int((layout.expert_end - layout.expert_start).sum())
+    sorted_x = x[torch.sort(ids.flatten(), stable=True).indices // K]
+    offs = torch.cumsum(torch.bincount(ids.flatten(), minlength=E), 0).to(torch.int32)
+    ends = layout.expert_start + (layout.expert_end - layout.expert_start + 127) // 128 * 128
+    w1t = w1.transpose(1, 2)
+    cases = {
+        "grouped_mm l0": (lambda: torch._grouped_mm(sorted_x, w1t, offs=offs), 4 * M * H * F),
+        "grouped_mm bwd-d": (
+            lambda: torch._grouped_mm(g_rows, w2, offs=ends.to(torch.int32)),
+            2 * M * H * F,
+        ),
+    }
+    var = variants()
+    for vname, env in var:
+
+        def l0(env=env):
+            _set(env)
+            return fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)[0]
+
+        def l0_train(env=env):
+            _set(env)
+            return fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)[0]
+
+        def bwd_d(env=env):
+            _set(env)
+            return fused._bwd_dispatch(
+                dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows=g_rows,
+                dw_slot=fused._dw_slot(layout, world, None, dy, F),
+            )[0]  # fmt: skip
+
+        cases[f"layer0 {vname}"] = (l0, 4 * M * H * F)
+        cases[f"layer0+gu {vname}"] = (l0_train, 4 * M * H * F)
+        if any("L0B" in k for k, v in env.items() if v is not None) or vname == var[0][0]:
+            cases[f"bwd-d {vname}"] = (bwd_d, 2 * M * H * F)
+    real = layout.row_tok >= 0
+    first = {}
+    for cname, (fn, _) in cases.items():
+        if cname.startswith("grouped_mm") or (CPU and "grouped_mm" in cname):
+            continue
+        kind = cname.split()[0]
+        out = fn()[real].float()
+        if kind not in first:
+            first[kind] = out
+        else:
+            err = ((out - first[kind]).norm() / first[kind].norm()).item()
+            print(f"  {cname}: rel. diff to the first variant {err:.1e}", flush=True)
+    times = {c: [] for c in cases}
+    for _ in range(ROUNDS):
+        for cname, (fn, _) in cases.items():
+            ms = 1.0 if CPU else triton.testing.do_bench(fn, return_mode="median")
+            times[cname].append(ms)
+    print(f"== {name} (M {M}, {ROUNDS} rounds)")
+    for cname, (_, flop) in cases.items():
+        ms = statistics.median(times[cname])
+        ref = "grouped_mm bwd-d" if cname.startswith("bwd-d") else "grouped_mm l0"
+        r = statistics.median(times[ref]) / ms
+        spread = " ".join(f"{t:.3f}" for t in times[cname])
+        print(f"  {cname:28s} {ms:.3f} ms {flop / ms / 1e9:4.0f} TFLOP/s {r:.3f}x  ({spread})")
+    _set({k: None for _, env in var for k in env})
+
+
+if __name__ == "__main__":
+    for n in sys.argv[1:] or ["qwen3-30b-a3b", "olmoe"]:
+        run(n)
