@@ -362,22 +362,36 @@ def _dact_store(h, cols, pre_rows, dst_rows, rmask, N, DACT: tl.constexpr, DW: t
 
 
 @triton.jit
-def _swiglu_store(g, u, cols, rows64, rmask, N, gu_ptr, stride_gm, out_ptr, stride_om, rs, bad,
-                  SAVE_GU: tl.constexpr, ROW_SCALE: tl.constexpr):  # fmt: skip
-    """Forward SwiGLU epilogue of one column slice (``EPI_SUB`` > 1): the saved gate/up
-    columns, then ``h`` (padding rows zero, NaN where a wait timed out)."""
+def _swiglu_store(g, u, c0, r0, rows64, rmask, N, gu_ptr, stride_gm, out_ptr, stride_om, rs, bad,
+                  out_desc, gu_desc, SAVE_GU: tl.constexpr, ROW_SCALE: tl.constexpr,
+                  O_TMA: tl.constexpr):  # fmt: skip
+    """Forward SwiGLU epilogue of the column slice at ``c0`` (the whole tile, or one of
+    ``EPI_SUB`` slices): the saved gate/up columns, then ``h`` (padding rows zero, NaN where a
+    wait timed out). ``O_TMA``: by TMA stores through ``out_desc`` (``[R, N]``) and ``gu_desc``
+    (``[R, 2, N]``: the gate and up halves as a middle dim, so a slice past N is clipped and
+    never reaches the other half); padding rows of the saved pre-activations are then written
+    too (the backward never reads them)."""
+    dt = out_ptr.dtype.element_ty
+    cols = c0 + tl.arange(0, g.shape[1])
     cmask = cols < N
-    omask = rmask[:, None] & cmask[None, :]
     if SAVE_GU:
-        gp = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
-        tl.store(gp, g.to(gu_ptr.dtype.element_ty), mask=omask)
-        tl.store(gp + N, u.to(gu_ptr.dtype.element_ty), mask=omask)
+        if O_TMA:
+            gu_desc.store([r0, 0, c0], tl.reshape(g.to(dt), (g.shape[0], 1, g.shape[1])))
+            gu_desc.store([r0, 1, c0], tl.reshape(u.to(dt), (u.shape[0], 1, u.shape[1])))
+        else:
+            omask = rmask[:, None] & cmask[None, :]
+            gp = gu_ptr + rows64[:, None] * stride_gm + cols[None, :]
+            tl.store(gp, g.to(gu_ptr.dtype.element_ty), mask=omask)
+            tl.store(gp + N, u.to(gu_ptr.dtype.element_ty), mask=omask)
     h = g * tl.sigmoid(g) * u
     if ROW_SCALE:
         h = h * rs[:, None]
     h = tl.where(bad, float("nan"), tl.where(rmask[:, None], h, 0.0))
-    dst = out_ptr + rows64[:, None] * stride_om + cols[None, :]
-    tl.store(dst, h.to(out_ptr.dtype.element_ty), mask=cmask[None, :])
+    if O_TMA:
+        out_desc.store([r0, c0], h.to(dt))
+    else:
+        dst = out_ptr + rows64[:, None] * stride_om + cols[None, :]
+        tl.store(dst, h.to(dt), mask=cmask[None, :])
 
 
 @triton.jit(do_not_specialize=["rank", "budget", "n_comm"])
@@ -455,6 +469,9 @@ def _layer0_kernel(
     stage_slots=None,
     PUT: tl.constexpr = False,
     USE_NVSHMEM: tl.constexpr = False,
+    out_desc=None,
+    gu_desc=None,
+    O_TMA: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -665,31 +682,43 @@ def _layer0_kernel(
                 rs = tl.load(row_scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
             else:
                 rs = tl.zeros((BM,), tl.float32)
-            if DACT < 0 and ACT == 0 and (EPI_SUB == 2 or EPI_SUB == 4):
+            if DACT < 0 and ACT == 0 and (O_TMA or EPI_SUB == 2 or EPI_SUB == 4):
                 # Forward SwiGLU in column slices: both accumulators and their bf16 copies for
                 # SAVE_GU live at once otherwise (ptxas: ~1 KB of spills a thread at 128x128)
-                c = nt * BN + tl.arange(0, BN // EPI_SUB)
-                ga, gb = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-                ua, ub = tl.split(tl.permute(tl.reshape(acc_u, (BM, 2, BN // 2)), (0, 2, 1)))
+                c = nt * BN
                 if EPI_SUB == 2:
-                    _swiglu_store(ga, ua, c, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
-                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
-                    _swiglu_store(gb, ub, c + BN // 2, rows64, rmask, N, gu_ptr, stride_gm,
-                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
-                else:
+                    ga, gb = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                    ua, ub = tl.split(tl.permute(tl.reshape(acc_u, (BM, 2, BN // 2)), (0, 2, 1)))
+                    _swiglu_store(ga, ua, c, r0, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU, ROW_SCALE,
+                                  O_TMA)  # fmt: skip
+                    _swiglu_store(gb, ub, c + BN // 2, r0, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU,
+                                  ROW_SCALE, O_TMA)  # fmt: skip
+                elif EPI_SUB == 4:
+                    ga, gb = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                    ua, ub = tl.split(tl.permute(tl.reshape(acc_u, (BM, 2, BN // 2)), (0, 2, 1)))
                     g0, g1 = tl.split(tl.permute(tl.reshape(ga, (BM, 2, BN // 4)), (0, 2, 1)))
                     u0, u1 = tl.split(tl.permute(tl.reshape(ua, (BM, 2, BN // 4)), (0, 2, 1)))
                     g2, g3 = tl.split(tl.permute(tl.reshape(gb, (BM, 2, BN // 4)), (0, 2, 1)))
                     u2, u3 = tl.split(tl.permute(tl.reshape(ub, (BM, 2, BN // 4)), (0, 2, 1)))
                     q = BN // 4
-                    _swiglu_store(g0, u0, c, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
-                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
-                    _swiglu_store(g1, u1, c + q, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
-                                  stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
-                    _swiglu_store(g2, u2, c + 2 * q, rows64, rmask, N, gu_ptr, stride_gm,
-                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
-                    _swiglu_store(g3, u3, c + 3 * q, rows64, rmask, N, gu_ptr, stride_gm,
-                                  out_ptr, stride_om, rs, nbad > 0, SAVE_GU, ROW_SCALE)  # fmt: skip
+                    _swiglu_store(g0, u0, c, r0, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU, ROW_SCALE,
+                                  O_TMA)  # fmt: skip
+                    _swiglu_store(g1, u1, c + q, r0, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU, ROW_SCALE,
+                                  O_TMA)  # fmt: skip
+                    _swiglu_store(g2, u2, c + 2 * q, r0, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU,
+                                  ROW_SCALE, O_TMA)  # fmt: skip
+                    _swiglu_store(g3, u3, c + 3 * q, r0, rows64, rmask, N, gu_ptr, stride_gm,
+                                  out_ptr, stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU,
+                                  ROW_SCALE, O_TMA)  # fmt: skip
+                else:  # one piece (O_TMA; EPI_SUB 8 is the backward's only)
+                    _swiglu_store(acc, acc_u, c, r0, rows64, rmask, N, gu_ptr, stride_gm, out_ptr,
+                                  stride_om, rs, nbad > 0, out_desc, gu_desc, SAVE_GU, ROW_SCALE,
+                                  O_TMA)  # fmt: skip
             else:
                 if SAVE_GU:
                     tl.store(

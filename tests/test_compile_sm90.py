@@ -90,16 +90,31 @@ _SCRIPT = textwrap.dedent(
             BK=64, CH=64, BH=128, GROUP_M=8, USE_TIMER=True, TRACE=not flat, DACT=dact,
             B_MODE=mode, A_TMA=True, FLAT=flat))
         n += 1
-    # the training forward's SwiGLU epilogue in 2 or 4 column slices (EPI_SUB), gate and up
-    # tiles paired (mode 3) or apart (MOE_OVERLAP_L0_PAIR=0)
-    for epi, mode in itertools.product((2, 4), (1, 3)):
-        types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>")
+    # the training forward's SwiGLU epilogue in 1, 2 or 4 column slices (EPI_SUB), gate and up
+    # tiles paired (mode 3) or apart (MOE_OVERLAP_L0_PAIR=0), h and gate/up stored by TMA
+    # (O_TMA, as launched: 4 stages need 2 slices to fit) or by pointers
+    for epi, mode, o_tma in itertools.product((1, 2, 4), (1, 3), (False, True)):
+        if epi == 1 and not o_tma:
+            continue  # the plain epilogue, compiled above
+        bn = 128 // epi
+        types = dict(t0, w_desc=desc[mode], a_desc=f"tensordesc<{dt}[128, 64]>",
+                     out_desc=f"tensordesc<{dt}[128, {bn}]>",
+                     gu_desc=f"tensordesc<{dt}[128, 1, {bn}]>")
         build(moe_layer0._layer0_kernel, types, dict(
             W=1, El=4, ROLE=0, ACT=0, HAS_BIAS=True, SAVE_GU=True, HAS_SCALE=False,
             ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128, GROUP_M=16,
             USE_TIMER=True, TRACE=False, DACT=-1, EPI_SUB=epi, B_MODE=mode, A_TMA=True,
-            FLAT=False))
+            FLAT=False, O_TMA=o_tma, **({} if o_tma else {"out_desc": None, "gu_desc": None})),
+            stages=3 if epi == 1 else 4)
         n += 1
+    # several ranks: TMA stores with the pointer-gathered rows (no staging), inference
+    types = dict(t0, w_desc=desc[3], out_desc=f"tensordesc<{dt}[128, 64]>")
+    build(moe_layer0._layer0_kernel, types, dict(
+        W=2, El=4, ROLE=0, ACT=0, HAS_BIAS=False, SAVE_GU=False, HAS_SCALE=False,
+        ROW_SCALE=False, EVEN_K=True, BM=128, BN=128, BK=64, CH=64, BH=128, GROUP_M=8,
+        USE_TIMER=True, TRACE=True, DACT=-1, EPI_SUB=2, B_MODE=3, A_TMA=False, a_desc=None,
+        FLAT=False, O_TMA=True, gu_desc=None), stages=4)
+    n += 1
     # the one-rank backward's dispatch GEMM as launched: staged rows that carry the scale
     # already (ROW_SCALE off), no trace, unflattened, the "dact" config (4 stages)
     for dact in (0, 1):

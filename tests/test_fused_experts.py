@@ -643,28 +643,46 @@ def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
         staged.append(out is not None)
         return out
 
+    stores, real_out = [], fused._out_descs
+
+    def spy_out(*a, **k):
+        out = real_out(*a, **k)
+        if a[3] is None:  # forward calls only (the backward's dact never stores by TMA)
+            stores.append(out[0] is not None)
+        return out
+
     monkeypatch.setattr(fused, "_weight_operand", spy)
     monkeypatch.setattr(fused, "_staged_rows_desc", spy_staged)
+    monkeypatch.setattr(fused, "_out_descs", spy_out)
     got = run_fused(prob)
     check_against_reference(prob, got)
     assert sorted(set(modes)) == [1, 2, 3], modes
     # W = 1: forward and backward layer 0 both staged; W = 2: never asked
     assert staged == ([True, True] if W == 1 else []), staged
-    # gate and up tiles loaded apart (MOE_OVERLAP_L0_PAIR=0): the same numbers
+    # layer 0's forward stored h (and its saved gate/up halves) by TMA
+    assert stores == [True] * W, stores
+    # gate and up tiles loaded apart (MOE_OVERLAP_L0_PAIR=0), h stored by pointers
+    # (MOE_OVERLAP_L0_TMA_STORE=0): the reference's numbers too
     modes.clear()
     staged.clear()
+    stores.clear()
     monkeypatch.setenv("MOE_OVERLAP_L0_PAIR", "0")
+    monkeypatch.setenv("MOE_OVERLAP_L0_TMA_STORE", "0")
     got_apart = run_fused(prob)
     check_against_reference(prob, got_apart)
     assert sorted(set(modes)) == [1, 2], modes
+    assert stores == [False] * W, stores
     monkeypatch.delenv("MOE_OVERLAP_L0_PAIR")
+    monkeypatch.delenv("MOE_OVERLAP_L0_TMA_STORE")
     modes.clear()
     staged.clear()
+    stores.clear()
     monkeypatch.setenv("MOE_OVERLAP_TMA", "0")
     got_ptr = run_fused(prob)
     check_against_reference(prob, got_ptr)
     assert set(modes) == {0}, modes
     assert staged == [], staged
+    assert stores == [False] * W, stores
     # 13 * 4 bytes per row: no descriptor even with TMA on
     monkeypatch.delenv("MOE_OVERLAP_TMA")
     assert fused._weight_operand(torch.zeros(2, 8, 13), 8, 13, 8, 13, 1, 16, 16) == (0, None)

@@ -170,6 +170,34 @@ def _weight_operand(
     return 0, None
 
 
+def _out_descs(out, gu, act: str, dact, BM: int, cfg: dict):
+    """``(out_desc, gu_desc, EPI_SUB)``: TMA store descriptors for layer 0's SwiGLU forward
+    epilogue (``kernels.moe_layer0._swiglu_store``; ``out [R, N]``, ``gu`` viewed ``[R, 2, N]``
+    or None), one column slice per box, or ``(None, None, EPI)`` where TMA does not apply or
+    ``MOE_OVERLAP_L0_TMA_STORE=0``. With TMA stores a config that does not name its slicing
+    stores in 2 slices: the store buffers sit beside the main loop's stages in shared memory
+    (sm_90, 4 stages of 128 x 256 x 64 and a 128 x 128 box for h and each gate/up half: 256
+    KiB, over the 227 KiB a block may have; 2 slices 224 KiB)."""
+    epi = cfg.get("EPI", 1)
+    if dact is not None or act != "swiglu" or os.environ.get("MOE_OVERLAP_L0_TMA_STORE") == "0":
+        return None, None, epi
+    if not _tma_usable(out) or (gu is not None and not _tma_usable(gu)):
+        return None, None, epi
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if "EPI" not in cfg:
+        epi = 2
+    if epi not in (1, 2, 4):  # the forward slices in 1, 2 or 4 pieces only
+        epi = 1
+    R, N = out.shape
+    bn = cfg["BN"] // epi
+    out_desc = TensorDescriptor.from_tensor(out, [BM, bn])
+    gu_desc = None
+    if gu is not None:
+        gu_desc = TensorDescriptor.from_tensor(gu.view(R, 2, N), [BM, 1, bn])
+    return out_desc, gu_desc, epi
+
+
 def _programs(world: World, total: int) -> int:
     if interpreted():
         return max(1, min(total, 3))
@@ -413,6 +441,7 @@ def _launch_layer0(
     b_mode, w_desc = _weight_operand(
         w, n_rows, H, N, stride_wn, stride_wk, cfg["BN"], cfg["BK"], pair=act == "swiglu"
     )
+    out_desc, gu_desc, epi = _out_descs(out, gu, act, dact, BM, cfg)
     a_desc = None
     if W == 1 and b_mode and (a_rows is not None or _stage_pays(n_rows)):
         a_desc = _staged_rows_desc(x, layout, recv, a_rows, BM, cfg["BK"])
@@ -481,7 +510,7 @@ def _launch_layer0(
         USE_TIMER=world.use_timer,
         TRACE=trace is not None,
         DACT=ACT_CODES[dact] if dact is not None else -1,
-        EPI_SUB=cfg.get("EPI", 1),
+        EPI_SUB=epi,
         B_MODE=b_mode,
         A_TMA=a_desc is not None,
         FLAT=flat,
@@ -491,6 +520,9 @@ def _launch_layer0(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **_put_args(world, sig, stage_ws, "layer0"),
+        out_desc=out_desc,
+        gu_desc=gu_desc,
+        O_TMA=out_desc is not None,
     )
 
     def launch(role):
