@@ -40,14 +40,27 @@ EPS = 1e-20
 
 
 @triton.jit
-def _scores(l, SIGMOID: tl.constexpr):
+def _tile_scores(logits_ptr, T, E, stride_l, BT: tl.constexpr, BE: tl.constexpr,
+                 SIGMOID: tl.constexpr):  # fmt: skip
+    """This program's ``BT`` tokens: their ids (int64), row mask, the expert ids and mask, the
+    tile mask and the ``[BT, BE]`` scores (softmax or sigmoid of the logits; 0 outside the
+    tile: padding columns score nothing, padding rows are never stored)."""
+    toks = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = toks < T
+    t64 = toks.to(tl.int64)
+    es = tl.arange(0, BE)
+    em = es < E
+    m2 = tm[:, None] & em[None, :]
+    # padding columns -inf (no share of a softmax), padding rows 0 (finite)
+    l = tl.load(logits_ptr + t64[:, None] * stride_l + es[None, :], mask=m2, other=0.0)
+    l = tl.where(em[None, :], l, float("-inf"))
     if SIGMOID:
         s = tl.sigmoid(l)
     else:
         m = tl.max(l, axis=1)
         p = tl.exp(l - m[:, None])
         s = p / tl.sum(p, axis=1)[:, None]
-    return s
+    return t64, tm, es, em, m2, tl.where(m2, s, 0.0)
 
 
 @triton.jit
@@ -69,17 +82,7 @@ def _topk_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     NORM: tl.constexpr,
 ):
-    toks = tl.program_id(0) * BT + tl.arange(0, BT)
-    tm = toks < T
-    es = tl.arange(0, BE)
-    em = es < E
-    m2 = tm[:, None] & em[None, :]
-    # padding columns -inf (no score), padding rows 0 (finite, never stored)
-    l = tl.load(logits_ptr + toks.to(tl.int64)[:, None] * stride_l + es[None, :], mask=m2,
-                other=0.0)  # fmt: skip
-    l = tl.where(em[None, :], l, float("-inf"))
-    s = _scores(l, SIGMOID)
-    s = tl.where(em[None, :], s, 0.0)
+    t64, tm, es, em, m2, s = _tile_scores(logits_ptr, T, E, stride_l, BT, BE, SIGMOID)
     sel = s
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + es, mask=em, other=0.0)[None, :]
@@ -106,7 +109,7 @@ def _topk_fwd_kernel(
     if NORM:
         w = w / (tl.sum(gs, axis=1)[:, None] + 1e-20)
     w = w * scale
-    out = toks.to(tl.int64)[:, None] * K + ks[None, :]
+    out = t64[:, None] * K + ks[None, :]
     om = tm[:, None] & (ks < K)[None, :]
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=om)
     tl.store(w_ptr + out, w, mask=om)
@@ -135,16 +138,7 @@ def _topk_bwd_kernel(
     HAS_DL: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    toks = tl.program_id(0) * BT + tl.arange(0, BT)
-    tm = toks < T
-    t64 = toks.to(tl.int64)
-    es = tl.arange(0, BE)
-    em = es < E
-    m2 = tm[:, None] & em[None, :]
-    l = tl.load(logits_ptr + t64[:, None] * stride_l + es[None, :], mask=m2, other=0.0)
-    l = tl.where(em[None, :], l, float("-inf"))
-    s = _scores(l, SIGMOID)
-    s = tl.where(m2, s, 0.0)
+    t64, tm, es, em, m2, s = _tile_scores(logits_ptr, T, E, stride_l, BT, BE, SIGMOID)
     dl = tl.zeros((BT, BE), tl.float32)
     if HAS_DW:
         ks = tl.arange(0, KP)
