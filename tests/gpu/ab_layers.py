@@ -14,10 +14,9 @@ import sys
 
 import torch
 import triton.testing
+from sweep_bwd import bwd_dispatch, problem  # this script's folder is on sys.path
 
-from moe_overlap.bench.presets import get_moe_shape
-from moe_overlap.experts import fused, tuning
-from moe_overlap.world import init_world
+from moe_overlap.experts import fused
 
 AB = os.environ.get("AB", "").split() or [
     "pair=",
@@ -53,23 +52,9 @@ def _set(env):
 def run(name):
     dev = torch.device("cpu" if CPU else "cuda")
     dt = torch.float16 if CPU else torch.bfloat16
-    world = init_world()
-    s = get_moe_shape(name)
-    T, H, F, E, K = (40, 64, 48, 4, 2) if CPU else (s.tokens, s.hidden, s.ffn, s.experts, s.topk)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, dt)
-    wts, ids = torch.randn(T, E, generator=g).to(dev).softmax(-1).topk(K, -1)
-    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, dt)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, dt)
-    dy = torch.randn(T, H, generator=g).to(dev, dt)
-    pinned = tuning.pinned(dev, x.dtype, H, F, E, K)
-    layout = fused.dispatch_layout(ids, E, world, None, pinned)
-    ws = fused._workspace(world, layout, H, x.dtype)
-    _, gu = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, save_gu=True)
-    wflat = wts.contiguous().view(-1)
-    row_scale = fused._bwd_row_scale(layout, wflat, fused._row_slots(layout, ws.slot))
-    g_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
-    M = int((layout.expert_end - layout.expert_start).sum())
+    p = problem(name, dev, dt, (40, 64, 48, 4, 2) if CPU else None)
+    world, layout, ws, x, ids, w1, w2 = p.world, p.layout, p.ws, p.x, p.ids, p.w1, p.w2
+    H, F, E, K, M, g_rows, ends = p.H, p.F, p.E, p.K, p.M, p.g_rows, p.ends
     sorted_x = x[torch.sort(ids.flatten(), stable=True).indices // K]
     offs = torch.cumsum(torch.bincount(ids.flatten(), minlength=E), 0).to(torch.int32)
     ends = layout.expert_start + (layout.expert_end - layout.expert_start + 127) // 128 * 128
@@ -94,10 +79,7 @@ def run(name):
 
         def bwd_d(env=env):
             _set(env)
-            return fused._bwd_dispatch(
-                dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows=g_rows,
-                dw_slot=fused._dw_slot(layout, world, None, dy, F),
-            )[0]  # fmt: skip
+            return bwd_dispatch(p)
 
         cases[f"layer0 {vname}"] = (l0, 4 * M * H * F)
         cases[f"layer0+gu {vname}"] = (l0_train, 4 * M * H * F)

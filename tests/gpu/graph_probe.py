@@ -11,16 +11,10 @@ import statistics
 import sys
 
 import torch
+from profile_step import _case  # this script's folder is on sys.path
 
 from moe_overlap.bench import baselines as B
-from moe_overlap.bench import harness as Hs
 from moe_overlap.bench.presets import get_moe_shape
-
-
-def _case(name, problem, world):
-    if name in Hs.CANDIDATES["moe"]:
-        return Hs.CANDIDATES["moe"][name](problem, world)
-    return B.build_baseline("moe", name, problem, world)
 
 
 def _events(fn, n):

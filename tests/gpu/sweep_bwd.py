@@ -12,6 +12,7 @@ same rows, and checks every config's ``d gu`` against the first one's.
 
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import triton.testing
@@ -34,17 +35,20 @@ CONFIGS = os.environ.get("SWEEP_CONFIGS", "").split() or (
 )
 
 
-def run(name):
-    dev = torch.device("cuda")
+def problem(name, dev=None, dt=torch.bfloat16, shape=None):
+    """The backward dispatch GEMM's inputs at preset ``name`` (``shape`` (T, H, F, E, K)
+    overrides its sizes), as the one-rank backward builds them: the layout, the saved gate/up
+    from a training forward, ``dy * w`` gathered into rows. Also used by ``ab_layers.py``."""
+    dev = dev or torch.device("cuda")
     world = init_world()
     s = get_moe_shape(name)
-    T, H, F, E, K = s.tokens, s.hidden, s.ffn, s.experts, s.topk
+    T, H, F, E, K = shape or (s.tokens, s.hidden, s.ffn, s.experts, s.topk)
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, torch.bfloat16)
+    x = (torch.randn(T, H, generator=g) * 0.5).to(dev, dt)
     wts, ids = torch.randn(T, E, generator=g).to(dev).softmax(-1).topk(K, -1)
-    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, torch.bfloat16)
-    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, torch.bfloat16)
-    dy = torch.randn(T, H, generator=g).to(dev, torch.bfloat16)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.02).to(dev, dt)
+    w2 = (torch.randn(E, H, F, generator=g) * 0.02).to(dev, dt)
+    dy = torch.randn(T, H, generator=g).to(dev, dt)
     pinned = tuning.pinned(dev, x.dtype, H, F, E, K)
     layout = fused.dispatch_layout(ids, E, world, None, pinned)
     ws = fused._workspace(world, layout, H, x.dtype)
@@ -53,8 +57,35 @@ def run(name):
     row_scale = fused._bwd_row_scale(layout, wflat, fused._row_slots(layout, ws.slot))
     g_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
     M = int((layout.expert_end - layout.expert_start).sum())
-    flop = 2 * M * H * F
     ends = layout.expert_start + (layout.expert_end - layout.expert_start + 127) // 128 * 128
+    return SimpleNamespace(
+        world=world, T=T, H=H, F=F, E=E, K=K, x=x, ids=ids, w1=w1, w2=w2, dy=dy, layout=layout,
+        ws=ws, gu=gu, wflat=wflat, row_scale=row_scale, g_rows=g_rows, M=M, ends=ends,
+    )  # fmt: skip
+
+
+def bwd_dispatch(p):
+    """The backward's dispatch GEMM as the one-rank backward runs it (with the d topk_weights
+    partials), on ``problem(...)``'s inputs."""
+    return fused._bwd_dispatch(
+        p.dy,
+        p.layout,
+        p.w2,
+        p.world,
+        p.wflat,
+        p.row_scale,
+        p.ws,
+        p.gu,
+        "swiglu",
+        a_rows=p.g_rows,
+        dw_slot=fused._dw_slot(p.layout, p.world, None, p.dy, p.F),
+    )[0]
+
+
+def run(name):
+    p = problem(name)
+    world, layout, g_rows, w2, ends = p.world, p.layout, p.g_rows, p.w2, p.ends
+    flop = 2 * p.M * p.H * p.F
     # d h = g @ w2[e]: w2 [E, H, F] is already (contraction, output) per expert
     ms = triton.testing.do_bench(
         lambda: torch._grouped_mm(g_rows, w2, offs=ends.to(torch.int32)), return_mode="median"
@@ -66,25 +97,9 @@ def run(name):
         os.environ["MOE_OVERLAP_L0B_CONFIG"] = cfg
         world.max_programs = int(progs) if progs else 132
 
-        def step():
-            # as the one-rank backward runs it: with the d topk_weights partials
-            return fused._bwd_dispatch(
-                dy,
-                layout,
-                w2,
-                world,
-                wflat,
-                row_scale,
-                ws,
-                gu,
-                "swiglu",
-                a_rows=g_rows,
-                dw_slot=fused._dw_slot(layout, world, None, dy, F),
-            )[0]
-
         try:
-            out = step()
-            ms = triton.testing.do_bench(step, return_mode="median")
+            out = bwd_dispatch(p)
+            ms = triton.testing.do_bench(lambda: bwd_dispatch(p), return_mode="median")
         except Exception as e:  # a config that does not fit: say so, go on
             print(f"  {cfg}: failed {type(e).__name__}: {str(e)[:120]}")
             continue
