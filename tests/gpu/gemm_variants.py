@@ -55,7 +55,6 @@ def _v_kernel(
     PERSIST: tl.constexpr,
     FLAT: tl.constexpr,
     SCATTER: tl.constexpr,
-    ONE_DOT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -80,46 +79,32 @@ def _v_kernel(
             tok = tl.load(row_tok_ptr + rows, mask=rmask, other=0)
             a_row = a_ptr + tok.to(tl.int64) * stride_a
         w_base = w_ptr + le.to(tl.int64) * stride_we
-        if ONE_DOT:
-            # gate and up tiles in one [2, BN, BK] box of the weight viewed as [E * 2, F, K]:
-            # one m64n(2BN) wgmma per warp group instead of two n(BN) ones (A read once)
-            acc2 = tl.zeros((BM, 2 * BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                ks = k0 + tl.arange(0, BK)
-                if A_TMA:
-                    a = a_desc.load([r0, k0])
-                else:
-                    a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
-                b = w_desc.load([le * 2, nt * BN, k0])
-                acc2 = tl.dot(a, tl.reshape(b, (2 * BN, BK)).T, acc2)
-            acc, acc_u = tl.split(tl.permute(tl.reshape(acc2, (BM, 2, BN)), (0, 2, 1)))
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        if SWIGLU:
+            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            if A_TMA:
+                a = a_desc.load([r0, k0])
+            else:
+                a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
+            if B_TMA:
+                b = w_desc.load([le * NW + nt * BN, k0]).T
+            else:
+                b = tl.load(
+                    w_base + cols[None, :] * K + ks[:, None], mask=cmask[None, :], other=0.0
+                )
+            acc = tl.dot(a, b, acc)
             if SWIGLU:
-                acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                ks = k0 + tl.arange(0, BK)
-                if A_TMA:
-                    a = a_desc.load([r0, k0])
-                else:
-                    a = tl.load(a_row[:, None] + ks[None, :], mask=rmask[:, None], other=0.0)
                 if B_TMA:
-                    b = w_desc.load([le * NW + nt * BN, k0]).T
+                    bu = w_desc.load([le * NW + N + nt * BN, k0]).T
                 else:
-                    b = tl.load(
-                        w_base + cols[None, :] * K + ks[:, None], mask=cmask[None, :], other=0.0
+                    bu = tl.load(
+                        w_base + (cols[None, :] + N) * K + ks[:, None],
+                        mask=cmask[None, :],
+                        other=0.0,
                     )
-                acc = tl.dot(a, b, acc)
-                if SWIGLU:
-                    if B_TMA:
-                        bu = w_desc.load([le * NW + N + nt * BN, k0]).T
-                    else:
-                        bu = tl.load(
-                            w_base + (cols[None, :] + N) * K + ks[:, None],
-                            mask=cmask[None, :],
-                            other=0.0,
-                        )
-                    acc_u = tl.dot(a, bu, acc_u)
+                acc_u = tl.dot(a, bu, acc_u)
         if SWIGLU:
             h = acc * tl.sigmoid(acc) * acc_u
         else:
@@ -204,10 +189,7 @@ def run_variant(p, layer, v):
         a_full = p["h_cont"]
         out = torch.empty(p["T"] * p["K"], N, device=w.device, dtype=DT)
     a_desc = TensorDescriptor.from_tensor(a_full, [BM, BK])
-    if v.get("ONE_DOT"):
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, N, Kd), [2, BN, BK])
-    else:
-        w_desc = TensorDescriptor.from_tensor(w.view(-1, Kd), [BN, BK])
+    w_desc = TensorDescriptor.from_tensor(w.view(-1, Kd), [BN, BK])
     row_tok = p["row_tok"]
     if layer == 1:  # layer 1 reads h's rows in place
         row_tok = torch.arange(p["R"], device=w.device, dtype=torch.int32)
@@ -239,7 +221,6 @@ def run_variant(p, layer, v):
             PERSIST=v["PERSIST"],
             FLAT=v["FLAT"],
             SCATTER=layer == 1,
-            ONE_DOT=v.get("ONE_DOT", False),
             BM=BM,
             BN=BN,
             BK=BK,

@@ -14,20 +14,13 @@ import torch
 from profile_step import _case  # this script's folder is on sys.path
 
 from moe_overlap.bench import baselines as B
+from moe_overlap.bench import harness as Hs
 from moe_overlap.bench.presets import get_moe_shape
 
 
 def _events(fn, n):
-    ev = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(n)
-    ]
-    for j, (a, b) in enumerate(ev):
-        a.record()
-        fn(j)
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    """Median of ``n`` back-to-back calls ``fn(j)``, each between CUDA events (the CLI's timer)."""
+    return statistics.median(Hs._timed_calls(fn, torch.device("cuda"), 0, n)["ms"])
 
 
 def probe(preset, name, problem, world):
