@@ -297,6 +297,43 @@ def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
     check_against_reference(prob, run_fused(prob))
 
 
+@pytest.mark.parametrize(
+    "env", ["256,64,3,8", "200,64,3,8,184", "256,64,1,8,184", "256,64,3,8,180"]
+)
+def test_bad_dact_ws_config_is_rejected(env, monkeypatch):
+    # The warp-specialized backward dispatch GEMM's A/B knob (kernels/moe_dact_ws.py).
+    assert fused.dact_ws_config()["BN"] == 256 and fused.dact_ws_config()["EPI_REGS"] == 184
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", env)
+    with pytest.raises(ValueError, match="MOE_OVERLAP_DACT_WS_CONFIG"):
+        fused.dact_ws_config()
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", "128,64,4,16,152")
+    cfg = fused.dact_ws_config()
+    assert (cfg["BN"], cfg["BK"], cfg["STAGES"], cfg["GM"], cfg["EPI_REGS"]) == (
+        128,
+        64,
+        4,
+        16,
+        152,
+    )
+
+
+def test_dact_ws_is_not_taken_off_hopper(monkeypatch):
+    # The Gluon kernel is GPU-only: on CPU tensors, in the interpreter, at W > 1, for other
+    # activations, without gathered rows or with the switch off, the Triton kernel runs.
+    monkeypatch.setattr(fused, "interpreted", lambda: False)
+    world = local_world(torch.device("cpu"))
+    R, H, F = 256, 64, 32
+    a = torch.zeros(R, H, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, H, F, dtype=torch.bfloat16)
+    gu = torch.zeros(R, 2 * F, dtype=torch.bfloat16)
+    lay = type("L", (), {"block_m": 128})()
+    assert not fused._dact_ws_usable(a, w2, gu, lay, world, "swiglu")  # CPU tensors
+    assert not fused._dact_ws_usable(None, w2, gu, lay, world, "swiglu")
+    assert not fused._dact_ws_usable(a, w2, gu, lay, world, "gelu")
+    monkeypatch.setattr(fused, "interpreted", lambda: True)
+    assert not fused._dact_ws_usable(a, w2, gu, lay, world, "swiglu")
+
+
 @pytest.mark.parametrize("env", ["32,128", "32,100,4", "a,b,c", "0,128,4"])
 def test_bad_combine_config_is_rejected(env, monkeypatch):
     monkeypatch.setattr(fused, "interpreted", lambda: False)  # the knob is for the GPU

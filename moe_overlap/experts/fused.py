@@ -969,6 +969,67 @@ def _dw_slot(layout: Layout, world: World, b2, dy, F: int):
     return layout.row_slot if env == "1" or F < dy.shape[1] else None
 
 
+def dact_ws_config() -> dict:
+    """Block config of the warp-specialized backward dispatch GEMM (``kernels/moe_dact_ws.py``).
+    ``MOE_OVERLAP_DACT_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one (A/B runs); the
+    register split is checked by ptxas: at 128x256x64, 3 stages, the epilogue's 4 warps at 184
+    registers and the MMA warp groups at 160 (``maxnreg`` 168 over 12 warps; Triton 3.6 ptxas:
+    8 bytes of spills a thread, 438 at 152)."""
+    cfg = dict(BM=128, BN=256, BK=64, STAGES=3, GM=8, EPI_REGS=184, MAXNREG=168)
+    v = os.environ.get("MOE_OVERLAP_DACT_WS_CONFIG")
+    if v:
+        parts = [int(q) for q in v.split(",")]
+        ok = len(parts) == 5 and parts[0] in (64, 128, 256) and parts[1] in (32, 64, 128)
+        if not ok or parts[2] < 2 or parts[3] < 1 or parts[4] % 8 or not 24 <= parts[4] <= 256:
+            raise ValueError(
+                f"MOE_OVERLAP_DACT_WS_CONFIG={v!r}: expected BN,BK,STAGES,GROUP_M,EPI_REGS with"
+                " BN in 64/128/256, BK in 32/64/128, STAGES >= 2, EPI_REGS a multiple of 8"
+                " in [24, 256]"
+            )
+        cfg.update(BN=parts[0], BK=parts[1], STAGES=parts[2], GM=parts[3], EPI_REGS=parts[4])
+    return cfg
+
+
+def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> bool:
+    """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: one rank,
+    SwiGLU, the rows already gathered (its A operand comes by TMA), a Hopper GPU, 16-bit
+    operands, TMA-aligned rows, 128-row expert tiles (its two MMA warp groups cover 128 rows),
+    int32-safe offsets. ``MOE_OVERLAP_DACT_WS=0`` keeps the Triton kernel (A/B runs)."""
+    if os.environ.get("MOE_OVERLAP_DACT_WS") == "0" or interpreted():
+        return False
+    if world.world_size != 1 or act != "swiglu" or a_rows is None or not a_rows.is_cuda:
+        return False
+    if a_rows.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != a_rows.dtype:
+        return False
+    if torch.cuda.get_device_capability(a_rows.device)[0] != 9 or layout.block_m != 128:
+        return False
+    R, H = a_rows.shape
+    F = w2.shape[2]
+    if H % 8 or F % 8 or not (w2.is_contiguous() and gu.is_contiguous() and a_rows.is_contiguous()):
+        return False
+    if R * 2 * F >= 2**31 or gu.shape != (R, 2 * F):
+        return False
+    from ..kernels import moe_dact_ws
+
+    return moe_dact_ws.HAVE_GLUON
+
+
+def _launch_dact_ws(a_rows, w2, gu, layout: Layout, world: World, dw_slot):
+    """The Gluon path of :func:`_bwd_dispatch` -> ``(d_gu [R, 2F], partials or None)``."""
+    from ..kernels.moe_dact_ws import dact_swiglu_ws
+
+    cfg = dact_ws_config()
+    R, F = a_rows.shape[0], w2.shape[2]
+    out = torch.empty(R, 2 * F, dtype=a_rows.dtype, device=a_rows.device)
+    n_n = -(-F // cfg["BN"])
+    part = None
+    if dw_slot is not None:
+        part = torch.empty(layout.slots_cap_max, n_n, dtype=torch.float32, device=out.device)
+    grid = max(1, min(layout.tiles_cap * n_n, getattr(world, "max_programs", 132)))
+    dact_swiglu_ws(a_rows, w2, gu, out, layout, part, dw_slot, cfg, grid)
+    return out, part
+
+
 def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=None, dw_slot=None):
     """Backward of the combine and the activation: dispatch ``dy * w`` into a GEMM with ``w2``
     (-> d h) whose epilogue applies ``act``'s derivative at the saved ``gu`` -> ``d gu``
@@ -976,7 +1037,10 @@ def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=N
 
     The backward and :func:`_warm_backward` both call this, so the warm-up compiles exactly the
     variants the backward launches. ``dw_slot``: see :func:`_launch_layer0`; returns
-    ``(d_gu, partials or None)``."""
+    ``(d_gu, partials or None)``. One rank on a Hopper GPU: the warp-specialized kernel of
+    ``kernels/moe_dact_ws.py`` where :func:`_dact_ws_usable` allows it."""
+    if _dact_ws_usable(a_rows, w2, gu, layout, world, act):
+        return _launch_dact_ws(a_rows, w2, gu, layout, world, dw_slot)
     return _launch_layer0(
         dy,
         layout,

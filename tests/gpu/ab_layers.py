@@ -83,7 +83,8 @@ def run(name):
 
         cases[f"layer0 {vname}"] = (l0, 4 * M * H * F)
         cases[f"layer0+gu {vname}"] = (l0_train, 4 * M * H * F)
-        if any("L0B" in k for k, v in env.items() if v is not None) or vname == var[0][0]:
+        named = [k for k, v in env.items() if v is not None]
+        if any("L0B" in k or "DACT" in k for k in named) or vname == var[0][0]:
             cases[f"bwd-d {vname}"] = (bwd_d, 2 * M * H * F)
     real = layout.row_tok >= 0
     first = {}

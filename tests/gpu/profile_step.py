@@ -1,6 +1,7 @@
 """Where one benchmark step's GPU time goes (not a pytest file).
 
 python tests/gpu/profile_step.py PRESET [case ...]   # default cases: fused_experts unfused
+SEQ=1 also prints one step's kernels in launch order.
 Builds the ``moe --backward`` problem and cases exactly as the CLI does (router, autograd.grad,
 rotating inputs), then for each case: the CLI-style event time of back-to-back steps, and one
 profile of three back-to-back steps split into kernel time per name and *idle GPU time* (the
@@ -9,6 +10,7 @@ step's GPU span minus the union of its kernels' intervals: launch gaps, host sta
 shows up here.
 """
 
+import os
 import sys
 from collections import defaultdict
 
@@ -55,6 +57,20 @@ def _print_gaps(kern, top: int = 12):
     print(f"   idle between kernels {tot:.3f} ms a step; largest gaps (us, after -> before):")
     for us, a, b in gaps[:top]:
         print(f"   {us:8.1f}  {a}  ->  {b}")
+
+
+def _print_sequence(kern) -> None:
+    """The middle profiled step's kernels in launch order: start offset, duration and the idle
+    time before each (us), so the small kernels a step could drop stand out."""
+    ks = sorted(kern, key=lambda e: e.time_range.start)
+    n = len(ks) // 3
+    step = ks[n : 2 * n]
+    t0, end = step[0].time_range.start, None
+    print("   one step, in order (start, duration, idle before; us):")
+    for e in step:
+        gap = e.time_range.start - end if end is not None else 0.0
+        print(f"   {e.time_range.start - t0:8.1f} {e.device_time:8.1f} {gap:6.1f}  {e.name[:90]}")
+        end = e.time_range.end if end is None else max(end, e.time_range.end)
 
 
 def _host_probe(case, first: int) -> None:
@@ -118,6 +134,8 @@ def main(preset, names):
             f" {span - busy:.3f} ms, {len(kern) // 3} kernels"
         )
         _print_gaps(kern)
+        if os.environ.get("SEQ"):
+            _print_sequence(kern)
         by = defaultdict(lambda: [0.0, 0])
         for e in kern:
             by[e.name[:80]][0] += e.device_time / 1e3 / 3

@@ -266,8 +266,10 @@ def test_forward_backward(spec):
 @pytest.mark.parametrize("spec", [BACKWARD[0], BACKWARD[2]], ids=lambda s: f"W{s[0]}-{s[6]}")
 def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
     # The backward's dispatch GEMM at 128x256 with its epilogue in column slices, in bf16 (F
-    # 1000: the last 256-wide tile is ragged, its last slices fully masked).
+    # 1000: the last 256-wide tile is ragged, its last slices fully masked). The Triton kernel:
+    # the warp-specialized one would take the one-rank case.
     monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", cfg)
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", "0")
     test_forward_backward(spec)
 
 
@@ -278,7 +280,9 @@ def test_forward_backward_sliced_epilogue(spec, cfg, monkeypatch):
 def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
     # One rank, no bias: d topk_weights from the dispatch GEMM's epilogue partials (forced on:
     # F 1000 > H 512 here), every epilogue slicing, with a few zero weights (the o-row path).
+    # The Triton kernel's slicings: the warp-specialized one has tests of its own below.
     monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", cfg)
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", "0")
     monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", "1")
     spec = (1, (1024,), 512, 1000, 8, 2, act, False, "zipf")
     prob = make_problem(*spec)
@@ -293,6 +297,90 @@ def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
         return y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()}
 
     check(prob, [fn(local_world(device))], device, backward=True, tag=f"{act} {cfg}")
+
+
+# The backward's dispatch GEMM in the warp-specialized Gluon kernel (kernels/moe_dact_ws.py):
+# one rank, SwiGLU, Hopper. Ragged column tiles (F 1000 / 1408 / 200 at BN 256), K not a multiple
+# of BK (H 200), an expert with no tokens, every token on one expert, top-k 1 and 8, dropped
+# assignments, the weights' gradient from its epilogue partials and without them.
+DACT_WS = [
+    # tokens, H, F, E, K, routing, DW epilogue
+    (1024, 512, 1000, 8, 2, "zipf", "1"),
+    (2048, 1024, 1408, 8, 2, "uniform", "0"),
+    (777, 200, 200, 16, 8, "drop", "1"),
+    (300, 256, 512, 4, 1, "hot", "1"),
+    (513, 384, 256, 8, 4, "one", "1"),
+    (640, 512, 768, 8, 3, "empty", "0"),
+]
+DACT_WS_CONFIGS = [None, "128,64,4,8,152", "256,64,2,16,128"]
+
+
+@pytest.mark.parametrize("cfg", DACT_WS_CONFIGS, ids=lambda c: c or "default")
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    T, H, F, E, K, routing, dw = spec
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", dw)
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", cfg)
+    prob = make_problem(1, (T,), H, F, E, K, "swiglu", False,
+                        "uniform" if routing in ("one", "empty") else routing)  # fmt: skip
+    ids = prob["ranks"][0]["ids"]
+    if routing == "one":  # every assignment on expert 2 (top-1 duplicates are fine: K slots)
+        ids[:, 0] = 2
+    elif routing == "empty":  # experts 0 and 5 get nothing
+        ids[ids == 0] = 1
+        ids[ids == 5] = 6
+    prob["ranks"][0]["wts"].view(-1)[::13] = 0.0
+    device = torch.device("cuda", torch.cuda.current_device())
+    calls = []
+    real = fused._launch_dact_ws
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, "_launch_dact_ws", spy)
+    lv = leaves_of(prob, 0, device, requires_grad=True)
+    for t in lv.values():  # poison the grads' previous contents: they must be written
+        if t is not None:
+            t.grad = torch.full_like(t, float("nan"))
+            t.grad = None
+    d = prob["ranks"][0]
+    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
+    (y * d["gy"].to(device)).sum().backward()
+    assert calls, "the warp-specialized kernel did not run"
+    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
+    check(prob, got, device, backward=True, tag=f"dact ws {spec} {cfg}")
+
+
+def test_dact_warp_specialized_equals_triton_kernel(monkeypatch):
+    # Same inputs through both kernels: d gu equal to bf16 rounding (the Gluon kernel rounds d h
+    # to bf16 before the derivative, the Triton one keeps it in fp32), the same padding zeros.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
+
+    p = problem("olmoe", shape=(2048, 1024, 768, 16, 8))
+
+    def run():
+        dw_slot = fused._dw_slot(p.layout, p.world, None, p.dy, p.F)
+        return fused._bwd_dispatch(p.dy, p.layout, p.w2, p.world, p.wflat, p.row_scale, p.ws,
+                                   p.gu, "swiglu", a_rows=p.g_rows, dw_slot=dw_slot)  # fmt: skip
+
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", "0")
+    ref_gu, ref_part = run()
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", "1")
+    assert fused._dact_ws_usable(p.g_rows, p.w2, p.gu, p.layout, p.world, "swiglu")
+    got_gu, got_part = run()
+    n_rows = int(p.layout.n_tiles.item()) * p.layout.block_m
+    tok = p.layout.row_tok[:n_rows]
+    assert_close(got_gu[:n_rows][tok >= 0], ref_gu[:n_rows][tok >= 0], dtype=BF16, name="d gu")
+    assert torch.all(got_gu[:n_rows][tok < 0] == 0), "padding rows of d gu must be zeros"
+    slots = p.layout.row_slot[:n_rows][tok >= 0].long()
+    assert ref_part is not None and got_part is not None  # F 768 < H 1024: the partials path
+    assert_close(got_part[slots].sum(1), ref_part[slots].sum(1), dtype=BF16, name="dw sums")
 
 
 @pytest.mark.parametrize("epi", [2, 4])
