@@ -283,17 +283,22 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def test_moe_kernels_compile_for_sm90(tmp_path):
+def _compile_in_subprocess(script: str, tmp_path) -> str:
+    """Run a compile script without the interpreter; its stdout (skips where no ptxas)."""
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     r = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600
     )
     if r.returncode != 0 and "ptxas" in r.stderr and "No such file" in r.stderr:
         pytest.skip("this Triton build ships no ptxas")
     assert r.returncode == 0, f"sm_90 compile failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    assert "compiled" in r.stdout
+    return r.stdout
+
+
+def test_moe_kernels_compile_for_sm90(tmp_path):
+    assert "compiled" in _compile_in_subprocess(_SCRIPT, tmp_path)
 
 
 _WS_SCRIPT = textwrap.dedent(
@@ -352,15 +357,7 @@ def test_dact_warp_specialized_kernel_compiles_for_sm90(tmp_path):
     # still moves between releases (Triton 3.6 on the H200, 3.9 here): a renamed builtin fails
     # here, not in the first GPU run. Every variant fits in shared memory and keeps its
     # register split (setmaxnreg) and wgmmas.
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    r = subprocess.run(
-        [sys.executable, "-c", _WS_SCRIPT], capture_output=True, text=True, env=env, timeout=600
-    )
-    if r.returncode != 0 and "ptxas" in r.stderr and "No such file" in r.stderr:
-        pytest.skip("this Triton build ships no ptxas")
-    assert r.returncode == 0, f"sm_90 compile failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    if "no gluon" in r.stdout:
+    out = _compile_in_subprocess(_WS_SCRIPT, tmp_path)
+    if "no gluon" in out:
         pytest.skip("this Triton has no Gluon")
-    assert "compiled 6 warp-specialized" in r.stdout
+    assert "compiled 6 warp-specialized" in out
