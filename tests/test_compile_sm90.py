@@ -309,32 +309,41 @@ _WS_SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.runtime.jit import mangle_type
     from moe_overlap.experts.fused import dact_ws_config
-    from moe_overlap.kernels import moe_dact_ws as m
+    from moe_overlap.kernels import moe_layer0_ws as m
 
     if not m.HAVE_GLUON:
         print("no gluon")
         raise SystemExit(0)
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    gl, fn = m.gl, m._dact_ws_kernel
+    gl, fn = m.gl, m._layer0_ws_kernel
+    lay = gl.NVMMASharedLayout.get_default_for
     n = 0
-    # the default config and the A/B ones the GPU tests run
-    for (BN, BK, ST, GM, ER), DW in itertools.product(
-        ((256, 64, 3, 8, 184), (128, 64, 4, 8, 152), (256, 64, 2, 16, 128)), (False, True)
-    ):
+    # the default config and the A/B ones the GPU tests run; backward (DW on/off) and forward
+    # (SAVE_GU on/off, bf16 and fp16)
+    cases = [(c, False, dw, False, "bf16") for c, dw in itertools.product(
+        ((256, 64, 3, 8, 184), (128, 64, 4, 8, 152), (256, 64, 2, 16, 128)), (False, True))]
+    cases += [(c, True, False, save, dt) for c, save, dt in (
+        ((256, 64, 3, 8, 184), True, "bf16"), ((256, 64, 3, 8, 184), False, "fp16"),
+        ((128, 64, 4, 8, 152), True, "bf16"), ((256, 64, 2, 16, 128), False, "bf16"))]
+    for (BN, BK, ST, GM, ER), FWD, DW, SAVE, dt in cases:
         cfg = dact_ws_config()
         BM = cfg["BM"]
-        a = torch.empty(1024, 512, dtype=torch.bfloat16)
-        w = torch.empty(4 * 512, 768, dtype=torch.bfloat16)
-        lay = gl.NVMMASharedLayout.get_default_for
-        ad = m.TensorDescriptor.from_tensor(a, [BM, BK], lay([BM, BK], gl.bfloat16))
-        bd = m.TensorDescriptor.from_tensor(w, [BK, BN], lay([BK, BN], gl.bfloat16))
-        types = dict(a_desc=mangle_type(ad), b_desc=mangle_type(bd), pre_ptr="*bf16",
-                     out_ptr="*bf16", row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32",
+        tdt, gdt = {"bf16": (torch.bfloat16, gl.bfloat16), "fp16": (torch.float16, gl.float16)}[dt]
+        a = torch.empty(1024, 512, dtype=tdt)
+        ad = m.TensorDescriptor.from_tensor(a, [BM, BK], lay([BM, BK], gdt))
+        if FWD:  # w1 [El * 2F, H], gate and up boxes of BN / 2 rows
+            w = torch.empty(4 * 1536, 512, dtype=tdt)
+            bd = m.TensorDescriptor.from_tensor(w, [BN // 2, BK], lay([BN // 2, BK], gdt))
+        else:  # w2 [El * H, F]
+            w = torch.empty(4 * 512, 768, dtype=tdt)
+            bd = m.TensorDescriptor.from_tensor(w, [BK, BN], lay([BK, BN], gdt))
+        types = dict(a_desc=mangle_type(ad), b_desc=mangle_type(bd), pre_ptr="*" + dt,
+                     out_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32",
                      dw_ptr="*fp32", dw_slot_ptr="*i32", H="i32", F="i32", stride_pm="i32",
                      stride_om="i32")
-        consts = dict(BM=BM, BN=BN, BK=BK, STAGES=ST, GROUP_M=GM, DW=DW, EPI_WARPS=4,
-                      EPI_REGS=ER, num_warps=8)
+        consts = dict(BM=BM, BN=BN, BK=BK, STAGES=ST, GROUP_M=GM, DW=DW, FWD=FWD, SAVE_GU=SAVE,
+                      EPI_WARPS=4, EPI_REGS=ER, num_warps=8)
         sig, cx = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
@@ -345,19 +354,22 @@ _WS_SCRIPT = textwrap.dedent(
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 8, "maxnreg": cfg["MAXNREG"]})
         assert k.metadata.shared <= 227 * 1024, k.metadata.shared
-        assert "setmaxnreg" in k.asm["ptx"] and "wgmma.mma_async" in k.asm["ptx"]
+        ptx = k.asm["ptx"]
+        assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+        # the forward's B tile is K-major (w1's rows): wgmma reads it transposed, still n = BN
+        assert f"m64n{BN}k16" in ptx, (BN, FWD)
         n += 1
-    print(f"compiled {n} warp-specialized dact variants for sm_90")
+    print(f"compiled {n} warp-specialized layer-0 variants for sm_90")
     """
 )
 
 
-def test_dact_warp_specialized_kernel_compiles_for_sm90(tmp_path):
-    # The Gluon kernel (kernels/moe_dact_ws.py) against the installed Triton's Gluon API, which
-    # still moves between releases (Triton 3.6 on the H200, 3.9 here): a renamed builtin fails
-    # here, not in the first GPU run. Every variant fits in shared memory and keeps its
-    # register split (setmaxnreg) and wgmmas.
+def test_layer0_warp_specialized_kernel_compiles_for_sm90(tmp_path):
+    # The Gluon kernel (kernels/moe_layer0_ws.py, forward and backward) against the installed
+    # Triton's Gluon API, which still moves between releases (Triton 3.6 on the H200, 3.9
+    # here): a renamed builtin fails here, not in the first GPU run. Every variant fits in
+    # shared memory and keeps its register split (setmaxnreg) and wgmmas.
     out = _compile_in_subprocess(_WS_SCRIPT, tmp_path)
     if "no gluon" in out:
         pytest.skip("this Triton has no Gluon")
-    assert "compiled 6 warp-specialized" in out
+    assert "compiled 10 warp-specialized" in out

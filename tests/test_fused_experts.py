@@ -298,16 +298,24 @@ def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "env", ["256,64,3,8", "200,64,3,8,184", "256,64,1,8,184", "256,64,3,8,180"]
+    "env", ["256,64,3,8", "200,64,3,8,184", "256,64,1,8,184", "256,64,3,8,180", "a,64,3,8,184"]
 )
-def test_bad_dact_ws_config_is_rejected(env, monkeypatch):
-    # The warp-specialized backward dispatch GEMM's A/B knob (kernels/moe_dact_ws.py).
-    assert fused.dact_ws_config()["BN"] == 256 and fused.dact_ws_config()["EPI_REGS"] == 184
-    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", env)
-    with pytest.raises(ValueError, match="MOE_OVERLAP_DACT_WS_CONFIG"):
-        fused.dact_ws_config()
-    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", "128,64,4,16,152")
-    cfg = fused.dact_ws_config()
+@pytest.mark.parametrize(
+    "var, get",
+    [
+        ("MOE_OVERLAP_DACT_WS_CONFIG", "dact_ws_config"),
+        ("MOE_OVERLAP_L0_WS_CONFIG", "layer0_ws_config"),
+    ],
+)
+def test_bad_ws_config_is_rejected(env, var, get, monkeypatch):
+    # The warp-specialized layer-0 kernels' A/B knobs (kernels/moe_layer0_ws.py).
+    config = getattr(fused, get)
+    assert config()["BN"] == 256 and config()["EPI_REGS"] == 184
+    monkeypatch.setenv(var, env)
+    with pytest.raises(ValueError, match=var):
+        config()
+    monkeypatch.setenv(var, "128,64,4,16,152")
+    cfg = config()
     assert (cfg["BN"], cfg["BK"], cfg["STAGES"], cfg["GM"], cfg["EPI_REGS"]) == (
         128,
         64,
@@ -317,21 +325,34 @@ def test_bad_dact_ws_config_is_rejected(env, monkeypatch):
     )
 
 
-def test_dact_ws_is_not_taken_off_hopper(monkeypatch):
-    # The Gluon kernel is GPU-only: on CPU tensors, in the interpreter, at W > 1, for other
-    # activations, without gathered rows or with the switch off, the Triton kernel runs.
+def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
+    # The Gluon kernels are GPU-only: on CPU tensors, in the interpreter, at W > 1, for other
+    # activations, without gathered rows, with a bias or a trace, or with the switch off, the
+    # Triton kernels run.
     monkeypatch.setattr(fused, "interpreted", lambda: False)
     world = local_world(torch.device("cpu"))
     R, H, F = 256, 64, 32
     a = torch.zeros(R, H, dtype=torch.bfloat16)
+    w1 = torch.zeros(2, 2 * F, H, dtype=torch.bfloat16)
     w2 = torch.zeros(2, H, F, dtype=torch.bfloat16)
     gu = torch.zeros(R, 2 * F, dtype=torch.bfloat16)
-    lay = type("L", (), {"block_m": 128})()
+    lay = type("L", (), {"block_m": 128, "rows_cap": R})()
     assert not fused._dact_ws_usable(a, w2, gu, lay, world, "swiglu")  # CPU tensors
     assert not fused._dact_ws_usable(None, w2, gu, lay, world, "swiglu")
     assert not fused._dact_ws_usable(a, w2, gu, lay, world, "gelu")
+    assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, None)  # CPU tensors
+    # past the device check, the host's own refusals
+    monkeypatch.setattr(fused, "_ws_common_ok", lambda *a: True)
+    assert fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, None)
+    assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", torch.zeros(2, 2 * F), None)
+    assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, torch.zeros(4, 6))
+    assert not fused._l0_ws_usable(a, w1[:, :, : H // 2], lay, world, "swiglu", None, None)
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS", "0")
+    assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, None)
+    monkeypatch.undo()
     monkeypatch.setattr(fused, "interpreted", lambda: True)
     assert not fused._dact_ws_usable(a, w2, gu, lay, world, "swiglu")
+    assert not fused._ws_common_ok(a, w1, lay, world, "swiglu")
 
 
 @pytest.mark.parametrize("env", ["32,128", "32,100,4", "a,b,c", "0,128,4"])

@@ -1,6 +1,7 @@
 """The tuning hook and the pinned-config lookup of the fused MoE GEMMs."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -18,6 +19,23 @@ def test_tune_returns_a_joint_config_with_one_block_m():
     assert cfg["ms"]["layer0"] > 0 and cfg["ms"]["layer1"] > 0
     # the backward's dispatch GEMM gets its own config, at the pair's BLOCK_M
     assert cfg["l0b"]["BM"] == cfg["l0"]["BM"] and cfg["ms"]["backward_dispatch"] > 0
+
+
+def test_tune_times_the_triton_kernels_and_restores_the_environment(monkeypatch):
+    # The candidates are Triton blocks: the warp-specialized Gluon kernels, which would take
+    # layer 0's GEMMs at one rank on Hopper whatever the candidate, are off while tune() times.
+    seen = []
+
+    def fake(op, shape, dtype, world):
+        seen.append((os.environ.get("MOE_OVERLAP_L0_WS"), os.environ.get("MOE_OVERLAP_DACT_WS")))
+        return {}
+
+    monkeypatch.setattr(tuning, "_tune", fake)
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS", "1")
+    monkeypatch.delenv("MOE_OVERLAP_DACT_WS", raising=False)
+    tuning.tune("moe", {}, torch.bfloat16, None)
+    assert seen == [("0", "0")]
+    assert os.environ["MOE_OVERLAP_L0_WS"] == "1" and "MOE_OVERLAP_DACT_WS" not in os.environ
 
 
 def test_pinned_backward_dispatch_config_is_used(monkeypatch):

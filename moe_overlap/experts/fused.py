@@ -384,6 +384,9 @@ def _launch_layer0(
     given ``a_rows`` already carry ``row_scale`` (applied in the epilogue only where the GEMM
     falls back to gathering rows of ``x``).
 
+    One rank on a Hopper GPU, SwiGLU forward without bias or trace: the warp-specialized Gluon
+    kernel (``kernels/moe_layer0_ws.py``, :func:`_l0_ws_usable`) on the staged rows instead.
+
     ``dw_slot [R]`` int32 (``dact`` at one rank only): the slot of each row; the epilogue then
     also writes, per (slot, column tile), the tile's part of ``<act(pre), out row before the
     derivative>``, and the second result is those partials ``[S, n_tiles_N]`` fp32 (see
@@ -391,6 +394,12 @@ def _launch_layer0(
     """
     device = x.device
     W = world.world_size
+    ws_fwd = dact is None and scale is None and row_scale is None and dw_slot is None
+    if ws_fwd and _l0_ws_usable(x, w, layout, world, act, bias, trace) and n_out == w.shape[1] // 2:
+        # One rank on Hopper: the warp-specialized kernel (kernels/moe_layer0_ws.py)
+        rows = _staged_rows(x, layout, stage_ws.recv, a_rows)
+        if rows is not None:
+            return _launch_l0_ws(rows, w, layout, world, save_gu)
     kind = "dact" if dact is not None else ("swiglu" if act == "swiglu" else "plain")
     cfg = layer0_config(kind, x.element_size(), getattr(layout, "pinned", None))
     BM = layout.block_m
@@ -553,9 +562,9 @@ def _stage_pays(n_cols: int) -> bool:
     return interpreted() or n_cols >= 2048
 
 
-def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
-    """One rank: a TMA descriptor over layer 0's A rows ``[R, H]`` in receive order (zeros on
-    padding rows), or None where TMA does not apply. ``a_rows``: the rows already gathered
+def _staged_rows(x, layout: Layout, recv, a_rows):
+    """One rank: layer 0's A rows ``[R, H]`` in receive order (zeros on padding rows) as a
+    TMA-ready tensor, or None where TMA does not apply. ``a_rows``: the rows already gathered
     (the training forward keeps them for the wgrad), else they are gathered into the
     workspace's receive buffer, which one rank does not otherwise use."""
     R, H = layout.rows_cap, x.shape[1]
@@ -569,9 +578,32 @@ def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
             a_rows = gather_rows(x, layout.row_tok, None, None, interpreted(), out_RH=buf)
     if not _tma_usable(a_rows) or tuple(a_rows.shape) != (R, H):
         return None
+    return a_rows
+
+
+def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
+    """A Triton TMA descriptor over :func:`_staged_rows`, or None."""
+    a_rows = _staged_rows(x, layout, recv, a_rows)
+    if a_rows is None:
+        return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(a_rows, [BM, BK])
+
+
+def _launch_l0_ws(a_rows, w1, layout: Layout, world: World, save_gu: bool):
+    """The Gluon path of :func:`_launch_layer0`'s SwiGLU forward -> ``(h [R, F], gu or None)``."""
+    from ..kernels.moe_layer0_ws import swiglu_ws
+
+    cfg = layer0_ws_config()
+    R = a_rows.shape[0]
+    F = w1.shape[1] // 2
+    h = torch.empty(R, F, dtype=a_rows.dtype, device=a_rows.device)
+    gu = torch.empty(R, 2 * F, dtype=a_rows.dtype, device=a_rows.device) if save_gu else None
+    n_n = -(-F // (cfg["BN"] // 2))
+    grid = max(1, min(layout.tiles_cap * n_n, getattr(world, "max_programs", 132)))
+    swiglu_ws(a_rows, w1, h, gu, layout, cfg, grid)
+    return h, gu
 
 
 def _row_slots(layout: Layout, slot) -> torch.Tensor:
@@ -969,20 +1001,18 @@ def _dw_slot(layout: Layout, world: World, b2, dy, F: int):
     return layout.row_slot if env == "1" or F < dy.shape[1] else None
 
 
-def dact_ws_config() -> dict:
-    """Block config of the warp-specialized backward dispatch GEMM (``kernels/moe_dact_ws.py``).
-    ``MOE_OVERLAP_DACT_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one (A/B runs); the
-    register split is checked by ptxas: at 128x256x64, 3 stages, the epilogue's 4 warps at 184
-    registers and the MMA warp groups at 160 (``maxnreg`` 168 over 12 warps; Triton 3.6 ptxas:
-    8 bytes of spills a thread, 438 at 152)."""
+def _ws_config(env: str) -> dict:
     cfg = dict(BM=128, BN=256, BK=64, STAGES=3, GM=8, EPI_REGS=184, MAXNREG=168)
-    v = os.environ.get("MOE_OVERLAP_DACT_WS_CONFIG")
+    v = os.environ.get(env)
     if v:
-        parts = [int(q) for q in v.split(",")]
+        try:
+            parts = [int(q) for q in v.split(",")]
+        except ValueError:
+            parts = []
         ok = len(parts) == 5 and parts[0] in (64, 128, 256) and parts[1] in (32, 64, 128)
         if not ok or parts[2] < 2 or parts[3] < 1 or parts[4] % 8 or not 24 <= parts[4] <= 256:
             raise ValueError(
-                f"MOE_OVERLAP_DACT_WS_CONFIG={v!r}: expected BN,BK,STAGES,GROUP_M,EPI_REGS with"
+                f"{env}={v!r}: expected BN,BK,STAGES,GROUP_M,EPI_REGS with"
                 " BN in 64/128/256, BK in 32/64/128, STAGES >= 2, EPI_REGS a multiple of 8"
                 " in [24, 256]"
             )
@@ -990,33 +1020,73 @@ def dact_ws_config() -> dict:
     return cfg
 
 
-def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> bool:
-    """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: one rank,
-    SwiGLU, the rows already gathered (its A operand comes by TMA), a Hopper GPU, 16-bit
-    operands, TMA-aligned rows, 128-row expert tiles (its two MMA warp groups cover 128 rows),
-    int32-safe offsets. ``MOE_OVERLAP_DACT_WS=0`` keeps the Triton kernel (A/B runs)."""
-    if os.environ.get("MOE_OVERLAP_DACT_WS") == "0" or interpreted():
-        return False
-    if world.world_size != 1 or act != "swiglu" or a_rows is None or not a_rows.is_cuda:
-        return False
-    if a_rows.dtype not in (torch.bfloat16, torch.float16) or w2.dtype != a_rows.dtype:
-        return False
-    if torch.cuda.get_device_capability(a_rows.device)[0] != 9 or layout.block_m != 128:
-        return False
-    R, H = a_rows.shape
-    F = w2.shape[2]
-    if H % 8 or F % 8 or not (w2.is_contiguous() and gu.is_contiguous() and a_rows.is_contiguous()):
-        return False
-    if R * 2 * F >= 2**31 or gu.shape != (R, 2 * F):
-        return False
-    from ..kernels import moe_dact_ws
+def dact_ws_config() -> dict:
+    """Block config of the warp-specialized backward dispatch GEMM (``kernels/moe_layer0_ws.py``).
+    ``MOE_OVERLAP_DACT_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one (A/B runs); the
+    register split is checked by ptxas: at 128x256x64, 3 stages, the epilogue's 4 warps at 184
+    registers and the MMA warp groups at 160 (``maxnreg`` 168 over 12 warps; Triton 3.6 ptxas:
+    8 bytes of spills a thread, 438 at 152)."""
+    return _ws_config("MOE_OVERLAP_DACT_WS_CONFIG")
 
-    return moe_dact_ws.HAVE_GLUON
+
+def layer0_ws_config() -> dict:
+    """Block config of the warp-specialized SwiGLU forward (``kernels/moe_layer0_ws.py``): ``BN``
+    counts gate and up columns together (256: 128 of each). ``MOE_OVERLAP_L0_WS_CONFIG=BN,BK,
+    STAGES,GROUP_M,EPI_REGS`` pins one. Triton 3.6 ptxas at the default (128x256x64, 3 stages,
+    epilogue 184 / MMA 160 registers): no spills, 208 KiB of shared memory."""
+    return _ws_config("MOE_OVERLAP_L0_WS_CONFIG")
+
+
+def _ws_common_ok(a, w, layout: Layout, world: World, act: str) -> bool:
+    """What both warp-specialized kernels need: one rank, SwiGLU, a Hopper GPU, 16-bit operands
+    of one dtype, 128-row expert tiles (the two MMA warp groups cover 128 rows), contiguous
+    TMA-aligned operands, compiled (Gluon does not run in the interpreter)."""
+    if interpreted() or world.world_size != 1 or act != "swiglu" or not a.is_cuda:
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] != 9 or layout.block_m != 128:
+        return False
+    if a.shape[1] % 8 or not (w.is_contiguous() and a.is_contiguous()):
+        return False
+    from ..kernels import moe_layer0_ws
+
+    return moe_layer0_ws.HAVE_GLUON
+
+
+def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) -> bool:
+    """Whether layer 0's forward takes the warp-specialized Gluon kernel: what
+    :func:`_ws_common_ok` says, no bias, no trace (its tiles record no timeline), int32-safe
+    offsets. ``MOE_OVERLAP_L0_WS=0`` keeps the Triton kernel."""
+    if os.environ.get("MOE_OVERLAP_L0_WS") == "0" or bias is not None or trace is not None:
+        return False
+    if not _ws_common_ok(x, w1, layout, world, act) or w1.dim() != 3:
+        return False
+    R, H = layout.rows_cap, x.shape[1]
+    F = w1.shape[1] // 2
+    if tuple(w1.shape[1:]) != (2 * F, H) or R == 0 or R * max(2 * F, H) >= 2**31:
+        return False
+    return True
+
+
+def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> bool:
+    """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: what
+    :func:`_ws_common_ok` says, the rows already gathered (its A operand comes by TMA), int32-safe
+    offsets. ``MOE_OVERLAP_DACT_WS=0`` keeps the Triton kernel (A/B runs)."""
+    if os.environ.get("MOE_OVERLAP_DACT_WS") == "0" or a_rows is None:
+        return False
+    if not _ws_common_ok(a_rows, w2, layout, world, act):
+        return False
+    R = a_rows.shape[0]
+    F = w2.shape[2]
+    if F % 8 or not gu.is_contiguous() or R * 2 * F >= 2**31 or gu.shape != (R, 2 * F):
+        return False
+    return True
 
 
 def _launch_dact_ws(a_rows, w2, gu, layout: Layout, world: World, dw_slot):
     """The Gluon path of :func:`_bwd_dispatch` -> ``(d_gu [R, 2F], partials or None)``."""
-    from ..kernels.moe_dact_ws import dact_swiglu_ws
+    from ..kernels.moe_layer0_ws import dact_swiglu_ws
 
     cfg = dact_ws_config()
     R, F = a_rows.shape[0], w2.shape[2]
@@ -1038,7 +1108,7 @@ def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=N
     The backward and :func:`_warm_backward` both call this, so the warm-up compiles exactly the
     variants the backward launches. ``dw_slot``: see :func:`_launch_layer0`; returns
     ``(d_gu, partials or None)``. One rank on a Hopper GPU: the warp-specialized kernel of
-    ``kernels/moe_dact_ws.py`` where :func:`_dact_ws_usable` allows it."""
+    ``kernels/moe_layer0_ws.py`` where :func:`_dact_ws_usable` allows it."""
     if _dact_ws_usable(a_rows, w2, gu, layout, world, act):
         return _launch_dact_ws(a_rows, w2, gu, layout, world, dw_slot)
     return _launch_layer0(

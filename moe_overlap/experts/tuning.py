@@ -113,7 +113,16 @@ def _env(**kv):
 def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     """Time every candidate pair on ``shape`` (tokens, hidden, ffn, experts, topk) and return
     the fastest as ``{"l0": cfg, "l1": cfg, "ms": {...}}``; ``op`` is "moe", "layer0" or
-    "layer1" (which layer's time decides). Collective on ``world``."""
+    "layer1" (which layer's time decides). Collective on ``world``.
+
+    The candidates are the Triton kernels' blocks, so the warp-specialized Gluon kernels
+    (``kernels/moe_layer0_ws.py``, which take layer 0's GEMMs at one rank on Hopper and have
+    configs of their own) are off while it times."""
+    with _env(MOE_OVERLAP_L0_WS="0", MOE_OVERLAP_DACT_WS="0"):
+        return _tune(op, shape, dtype, world)
+
+
+def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     from . import fused
 
     if op not in ("moe", "layer0", "layer1"):

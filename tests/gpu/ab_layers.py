@@ -19,12 +19,10 @@ from sweep_bwd import bwd_dispatch, problem  # this script's folder is on sys.pa
 from moe_overlap.experts import fused
 
 AB = os.environ.get("AB", "").split() or [
-    "pair=",
-    "apart=MOE_OVERLAP_L0_PAIR=0",
-    "pair-s3=MOE_OVERLAP_L0_CONFIG=128,128,64,8,3,8",
-    "pair-s4=MOE_OVERLAP_L0_CONFIG=128,128,64,8,4,8",
-    "pair-s4-gm16=MOE_OVERLAP_L0_CONFIG=128,128,64,8,4,16",
-    "pair-s3-epi2=MOE_OVERLAP_L0_CONFIG=128,128,64,8,3,8,2",
+    "ws=",
+    "triton=MOE_OVERLAP_L0_WS=0",
+    "triton-staged=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_L0_STAGE=1",
+    "ws-gm16=MOE_OVERLAP_L0_WS_CONFIG=256,64,3,16,184",
 ]
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 CPU = os.environ.get("TRITON_INTERPRET") == "1"  # a logic check of this script, tiny and fp16

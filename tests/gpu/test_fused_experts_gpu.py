@@ -299,7 +299,7 @@ def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
     check(prob, [fn(local_world(device))], device, backward=True, tag=f"{act} {cfg}")
 
 
-# The backward's dispatch GEMM in the warp-specialized Gluon kernel (kernels/moe_dact_ws.py):
+# The backward's dispatch GEMM in the warp-specialized Gluon kernel (kernels/moe_layer0_ws.py):
 # one rank, SwiGLU, Hopper. Ragged column tiles (F 1000 / 1408 / 200 at BN 256), K not a multiple
 # of BK (H 200), an expert with no tokens, every token on one expert, top-k 1 and 8, dropped
 # assignments, the weights' gradient from its epilogue partials and without them.
@@ -351,6 +351,116 @@ def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
     check(prob, got, device, backward=True, tag=f"dact ws {spec} {cfg}")
 
 
+def _spy(monkeypatch, name):
+    calls = []
+    real = getattr(fused, name)
+
+    def spy(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, name, spy)
+    return calls
+
+
+def _ws_problem(spec):
+    T, H, F, E, K, routing, _ = spec
+    prob = make_problem(1, (T,), H, F, E, K, "swiglu", False,
+                        "uniform" if routing in ("one", "empty") else routing)  # fmt: skip
+    ids = prob["ranks"][0]["ids"]
+    if routing == "one":  # every assignment on expert 2 (top-1 duplicates are fine: K slots)
+        ids[:, 0] = 2
+    elif routing == "empty":  # experts 0 and 5 get nothing
+        ids[ids == 0] = 1
+        ids[ids == 5] = 6
+    prob["ranks"][0]["wts"].view(-1)[::13] = 0.0
+    return prob
+
+
+# Layer 0's SwiGLU forward in the same Gluon kernel (its forward mode): the same problems, in
+# training (rows gathered for the wgrad, gate/up saved; the backward's Gluon kernel too, or the
+# Triton one) and in inference (rows staged into the workspace).
+L0_WS_CONFIGS = [None, "128,64,4,8,152", "256,64,2,16,128"]
+
+
+@pytest.mark.parametrize("dact_ws", ["1", "0"])
+@pytest.mark.parametrize("cfg", L0_WS_CONFIGS, ids=lambda c: c or "default")
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_forward_backward_layer0_warp_specialized(spec, cfg, dact_ws, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    if dact_ws == "0" and cfg is not None:
+        pytest.skip("one config covers the mix")
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", dact_ws)
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_L0_WS_CONFIG", cfg)
+    prob = _ws_problem(spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+    calls = _spy(monkeypatch, "_launch_l0_ws")
+    lv = leaves_of(prob, 0, device, requires_grad=True)
+    d = prob["ranks"][0]
+    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
+    (y * d["gy"].to(device)).sum().backward()
+    assert calls, "the warp-specialized forward did not run"
+    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
+    check(prob, got, device, backward=True, tag=f"l0 ws {spec} {cfg}")
+
+
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_inference_layer0_warp_specialized(spec, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    prob = _ws_problem(spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+    calls = _spy(monkeypatch, "_launch_l0_ws")
+    lv = leaves_of(prob, 0, device)
+    with torch.no_grad():
+        y = call(lv, prob["ranks"][0]["ids"].to(device), local_world(device), "swiglu")
+    assert calls, "the warp-specialized forward did not run"
+    check(prob, [y], device, tag=f"l0 ws inference {spec}")
+
+
+@pytest.mark.parametrize("save_gu", [False, True])
+def test_layer0_warp_specialized_equals_triton_kernel(save_gu, monkeypatch):
+    # Same inputs through both forward kernels: h and the saved gate/up equal to bf16 rounding
+    # (the Gluon kernel computes h from gate/up rounded to bf16, as the unfused pipeline does;
+    # the Triton one from fp32), padding rows zero, every tile row written.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
+
+    p = problem("olmoe", shape=(2048, 1024, 768, 16, 8))
+    x = torch.randn(p.T, p.H, device="cuda").to(BF16)
+    w1 = (torch.randn(p.w2.shape[0], 2 * p.F, p.H, device="cuda") * p.H**-0.5).to(BF16)
+
+    def run():
+        return fused._fwd_layer0(x, p.layout, w1, p.world, "swiglu", None, p.ws, save_gu=save_gu)
+
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS", "0")
+    ref_h, ref_gu = run()
+    monkeypatch.delenv("MOE_OVERLAP_L0_WS")
+    assert fused._l0_ws_usable(x, w1, p.layout, p.world, "swiglu", None, None)
+    calls = _spy(monkeypatch, "_launch_l0_ws")
+    # poison: the caching allocator hands these NaN blocks back as the kernel's outputs, so a
+    # row the kernel leaves unwritten (padding included) shows up
+    poison = [torch.full_like(ref_h, float("nan"))]
+    if save_gu:
+        poison.append(torch.full_like(ref_gu, float("nan")))
+    del poison
+    got_h, got_gu = run()
+    assert calls
+    n_rows = int(p.layout.n_tiles.item()) * p.layout.block_m
+    tok = p.layout.row_tok[:n_rows]
+    assert_close(got_h[:n_rows][tok >= 0], ref_h[:n_rows][tok >= 0], dtype=BF16, name="h")
+    assert torch.all(got_h[:n_rows][tok < 0] == 0), "padding rows of h must be zeros"
+    if save_gu:
+        assert_close(got_gu[:n_rows][tok >= 0], ref_gu[:n_rows][tok >= 0], dtype=BF16, name="gu")
+        assert torch.all(got_gu[:n_rows][tok < 0] == 0), "padding rows of gu must be zeros"
+    else:
+        assert got_gu is None and ref_gu is None
+
+
 def test_dact_warp_specialized_equals_triton_kernel(monkeypatch):
     # Same inputs through both kernels: d gu equal to bf16 rounding (the Gluon kernel rounds d h
     # to bf16 before the derivative, the Triton one keeps it in fp32), the same padding zeros.
@@ -388,6 +498,7 @@ def test_dact_warp_specialized_equals_triton_kernel(monkeypatch):
 def test_forward_backward_sliced_swiglu_forward_epilogue(spec, epi, monkeypatch):
     # The training forward's SwiGLU epilogue (saved gate/up, h) in column slices.
     monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", f"128,128,64,8,3,16,{epi}")
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS", "0")
     monkeypatch.setenv("MOE_OVERLAP_L0B_CONFIG", "128,256,64,8,3,8,4")
     test_forward_backward(spec)
 

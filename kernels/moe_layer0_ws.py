@@ -1,0 +1,614 @@
+"""Layer 0's grouped GEMM at one rank, warp-specialized (Hopper, Gluon): the SwiGLU forward
+and the backward's dispatch GEMM.
+
+* forward (``FWD``): ``h = silu(gate) * up`` with ``[gate | up] = x[rows] @ w1[l]^T``, and with
+  ``SAVE_GU`` the gate/up pre-activations for the backward, as ``_layer0_kernel`` does with
+  ``ACT`` SwiGLU (see ``moe_layer0.py``);
+* backward: ``d gu = dact(gu) * ((dy * w)[rows] @ w2[l])``: the GEMM of layer 1's backward
+  (``d h``) with SwiGLU's derivative at the saved pre-activations in its epilogue, as
+  ``_layer0_kernel`` does with ``DACT`` = 0,
+
+each with the epilogue off the tensor cores' path.
+
+When it wins: one rank, SwiGLU, a Hopper GPU (the host takes it there; ``fused._l0_ws_usable``
+and ``fused._dact_ws_usable`` say exactly when). The backward's epilogue reads the saved gate and
+up tiles and writes ``d gu`` (8 bytes per output element against ``2 H`` FLOPs); in the
+one-partition Triton kernel it runs between two main loops, so the tensor cores idle while it
+waits on memory: 1.05 ms at qwen3-30b-a3b where ``torch._grouped_mm`` does the bare GEMM in 0.78
+(H200, 2026-12-04; an L2 prefetch of the tile, more column slices, two programs per SM and
+Triton 3.6's automatic warp specialization, which gave wrong results, did not close it). The
+forward's epilogue only stores (``h``, and ``gu`` in training): here it wins less, a few percent
+where its rows are gathered anyway (training) or staging them pays (olmoe; see below).
+
+The forward's A rows must be contiguous for TMA (Hopper's TMA cannot gather): the training
+forward gathers them anyway for the wgrad; inference stages them into the workspace first.
+Its B tile is two TMA boxes, ``[BN / 2, BK]`` each, of ``w1`` viewed ``[El * 2F, H]``: the gate
+rows of the tile's F range and the up rows ``F`` further, side by side in one K-major stage, so
+one ``m64nBNk16`` wgmma (the stage viewed transposed) makes ``[gate | up]``; the epilogue takes
+the halves of ``c_smem``. A gate box past F reads up rows (an up box, the next expert's): they
+only feed output columns >= F, which are never stored. ``h`` comes from gate/up rounded to the
+input dtype (as the unfused pipeline's ``grouped_mm`` outputs are; the Triton kernel uses fp32
+there), so it agrees with the saved ``gu`` the backward reads.
+
+How (one persistent program per SM, two partitions, 12 warps):
+
+* *MMA* (the default partition, 2 warp groups, ``m64nBNk16`` wgmmas): issues the TMA loads of
+  the A tile (the gathered rows, ``[BM, BK]``: x in the forward, ``dy * w`` in the backward)
+  and the B tile (forward: the gate and up boxes above; backward: ``w2`` viewed ``[El * H, F]``,
+  ``[BK, BN]``) ``STAGES - 1`` K steps ahead into a ring (``ready[s]`` completes with the bytes;
+  A columns past H are TMA's zero fill, so B rows read past the expert meet zeros), keeps one
+  wgmma in flight, and refills a stage once the wgmma that read it is done. At a tile's end it
+  rounds the accumulator to the input dtype into ``c_smem [BM, BN]`` (once ``c_empty`` says the
+  epilogue has read the previous one) and signals ``c_ready``.
+* *epilogue* (4 warps). Forward: per ``[16, 64]`` piece of each half of ``c_smem``, stores
+  ``h`` (and gate, up), zeros on padding rows. Backward: per ``[16, 64]`` piece of ``c_smem``,
+  with the saved gate and up (loaded a row chunk ahead, across tiles too), writes
+  ``d gate = dh * up * silu'(gate)`` and ``d up = dh * silu(gate)`` (zeros on padding rows),
+  and with ``DW`` sums ``d up * up`` per row into one partial per (slot, column tile), as the
+  Triton kernel does (``row_dot.weights_grad_from_partials`` finishes it).
+
+So tile ``i``'s epilogue runs while tile ``i + 1``'s main loop does. The waits are the CTA's own
+mbarriers on its TMA loads and its two partitions, never on another program or rank, so there
+is no spin budget to bound. ``d h`` is rounded to the input dtype before the derivative (the
+unfused pipeline rounds it too: ``grouped_mm`` writes bf16); the Triton kernel keeps fp32
+there, so the two agree to bf16 rounding (2.8e-3 relative), not bitwise.
+
+Budget (Triton 3.6, sm_90a): 128x256x64, 3 stages: 3 x 48 KiB ring + 64 KiB ``c_smem`` =
+208 KiB of shared memory. An ``m64n256`` wgmma needs >= 154 registers a thread at compile
+time, so ``maxnreg`` is 168 and the kernel has at most 12 warps (65536 / 168 / 32); a third
+partition for the loads (a loader warp) would make 13, rounded to 16 warps at 128 registers:
+ptxas refused. Of the 12, ``setmaxnreg`` gives the epilogue warp group ``EPI_REGS`` = 184 and
+the MMA warp groups 160 (ptxas: 8 bytes of spills a thread; 438 at 152, 1.8 KB at 128).
+
+Measured on the H200 (``tests/gpu/ab_layers.py``, L2 flushed, medians of 2-3 rounds,
+2026-12-04), qwen3-30b-a3b / olmoe, against ``torch._grouped_mm`` on the bare GEMM (0.78 /
+0.94 ms) and the Triton kernel (1.05 / 1.30-1.35 ms):
+
+* this kernel: **0.91-0.92 / 1.17-1.18 ms**;
+* the first version, each ``[32, 64]`` piece loading its gate/up before computing it: 1.45 /
+  1.91 ms (the loads are never reordered past the stores before them, since the compiler cannot
+  rule out aliasing, so every piece waited out a full memory latency);
+* the epilogue's global loads and stores switched off (a diagnostic): 0.79 ms, ``grouped_mm``'s
+  time: the main loop and the hand-off cost nothing extra, the epilogue's memory latency is what
+  is left;
+* two row chunks ahead: 1.27 ms (ptxas spilled 788 bytes a thread); an L2 prefetch of the next
+  tile's gate/up while the epilogue waits: 0.96 ms; BN 128 with 4 stages: 1.24 ms; BK 32 with 5
+  stages: 1.22 ms; GROUP_M 16: 0.92 ms (same).
+
+Hopper only (``warpgroup_mma``). Gluon does not run in the interpreter: the CPU suite compiles
+this kernel for sm_90 (``tests/test_compile_sm90.py``) and tests the host's choice;
+``tests/gpu/test_fused_experts_gpu.py`` runs it on the H200 against the float64 reference and
+against the Triton kernel.
+"""
+
+try:  # Gluon's Hopper API as of Triton 3.6 (later releases rename the TMA load)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.language.core import _aggregate as aggregate
+
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _partition_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    HAVE_GLUON = hasattr(gl, "warp_specialize")
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    HAVE_GLUON = False
+
+if HAVE_GLUON:
+    # epilogue piece: SUB_R rows x SUB columns, 8 elements a thread at 4 warps; a row chunk
+    # (BN // SUB pieces) is in flight while the one before it computes
+    SUB_R = gl.constexpr(16)
+    SUB = gl.constexpr(64)
+
+    @aggregate
+    class _Args:
+        a_desc: tma.tensor_descriptor
+        b_desc: tma.tensor_descriptor
+        a_bufs: gl.shared_memory_descriptor
+        b_bufs: gl.shared_memory_descriptor
+        c_smem: gl.shared_memory_descriptor
+        ready: gl.shared_memory_descriptor
+        c_ready: gl.shared_memory_descriptor
+        c_empty: gl.shared_memory_descriptor
+        pre_ptr: gl.tensor
+        out_ptr: gl.tensor
+        row_l_ptr: gl.tensor
+        exp_end_ptr: gl.tensor
+        n_tiles_ptr: gl.tensor
+        dw_ptr: gl.tensor
+        dw_slot_ptr: gl.tensor
+        H: gl.tensor
+        F: gl.tensor
+        stride_pm: gl.tensor
+        stride_om: gl.tensor
+        BM: gl.constexpr
+        BN: gl.constexpr
+        BK: gl.constexpr
+        GROUP_M: gl.constexpr
+        DW: gl.constexpr
+        FWD: gl.constexpr
+        SAVE_GU: gl.constexpr
+        MMA_WARPS: gl.constexpr
+        EPI_WARPS: gl.constexpr
+
+        @gluon.constexpr_function
+        def __init__(  # fmt: skip
+            self,
+            a_desc,
+            b_desc,
+            a_bufs,
+            b_bufs,
+            c_smem,
+            ready,
+            c_ready,
+            c_empty,
+            pre_ptr,
+            out_ptr,
+            row_l_ptr,
+            exp_end_ptr,
+            n_tiles_ptr,
+            dw_ptr,
+            dw_slot_ptr,
+            H,
+            F,
+            stride_pm,
+            stride_om,
+            BM,
+            BN,
+            BK,
+            GROUP_M,
+            DW,
+            FWD,
+            SAVE_GU,
+            MMA_WARPS,
+            EPI_WARPS,
+        ):
+            self.a_desc = a_desc
+            self.b_desc = b_desc
+            self.a_bufs = a_bufs
+            self.b_bufs = b_bufs
+            self.c_smem = c_smem
+            self.ready = ready
+            self.c_ready = c_ready
+            self.c_empty = c_empty
+            self.pre_ptr = pre_ptr
+            self.out_ptr = out_ptr
+            self.row_l_ptr = row_l_ptr
+            self.exp_end_ptr = exp_end_ptr
+            self.n_tiles_ptr = n_tiles_ptr
+            self.dw_ptr = dw_ptr
+            self.dw_slot_ptr = dw_slot_ptr
+            self.H = H
+            self.F = F
+            self.stride_pm = stride_pm
+            self.stride_om = stride_om
+            self.BM = gl.constexpr(BM)
+            self.BN = gl.constexpr(BN)
+            self.BK = gl.constexpr(BK)
+            self.GROUP_M = gl.constexpr(GROUP_M)
+            self.DW = gl.constexpr(DW)
+            self.FWD = gl.constexpr(FWD)
+            self.SAVE_GU = gl.constexpr(SAVE_GU)
+            self.MMA_WARPS = gl.constexpr(MMA_WARPS)
+            self.EPI_WARPS = gl.constexpr(EPI_WARPS)
+
+    @gluon.jit
+    def _tile_of(t, n_m, n_n, GROUP_M: gl.constexpr):
+        # the same grouped order as moe_layer0.tile_coords
+        group = GROUP_M * n_n
+        first_m = (t // group) * GROUP_M
+        gsize = gl.minimum(n_m - first_m, GROUP_M)
+        return first_m + (t % group) % gsize, (t % group) // gsize
+
+    @gluon.constexpr_function
+    def _cols_per_tile(BN, FWD):
+        # the forward's tile holds BN / 2 gate and BN / 2 up columns of one F range
+        return BN // 2 if FWD else BN
+
+    @gluon.jit
+    def _issue_tile(p, ti, pid, nprog, n_m, n_n):
+        """(first row, N tile, local expert) of this program's ``ti``-th tile (expert 0 past
+        the last tile: its steps are never issued)."""
+        t = pid + ti * nprog
+        mt, nt = _tile_of(t, n_m, n_n, p.GROUP_M)
+        r0 = mt * p.BM
+        return r0, nt, gl.load(p.row_l_ptr + r0, mask=t < n_m * n_n, other=0)
+
+    @gluon.jit
+    def _next_issue(p, st, pid, nprog, n_m, n_n, n_k):
+        """The issue position one K step on: ``st`` = (K step, tile, its row, N tile, expert,
+        and the next tile's row, N tile, expert). The next tile's expert is loaded a whole tile
+        before its first step is issued, so the MMA warps never wait on that load."""
+        kk, ti, r0, nt, le, r0n, ntn, len_ = st
+        kk += 1
+        wrap = kk == n_k
+        kk = gl.where(wrap, 0, kk)
+        ti = gl.where(wrap, ti + 1, ti)
+        if wrap:
+            r0 = r0n
+            nt = ntn
+            le = len_
+            r0n, ntn, len_ = _issue_tile(p, ti + 1, pid, nprog, n_m, n_n)
+        return kk, ti, r0, nt, le, r0n, ntn, len_
+
+    @gluon.jit
+    def _issue(p, ip, n_iter, st):
+        """TMA loads of this program's K step ``ip`` (over all its tiles; ``st`` from
+        :func:`_next_issue`) into stage ``ip % STAGES``; nothing past the last step. No global
+        load here: it would sit on the MMA warps' path between two wgmmas."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        kk, ti, r0, nt, le, r0n, ntn, len_ = st
+        go = ip < n_iter
+        s = ip % STAGES
+        if p.FWD:
+            # w1 viewed [El * 2F, H]: the gate box (rows f0..) and the up box (rows F + f0..)
+            # side by side in one [BN, BK] stage. A gate box past F reads up rows (and an up box
+            # the next expert's): those only feed output columns >= F, which are never stored.
+            NB: gl.constexpr = p.BN // 2
+            nbytes: gl.constexpr = p.a_desc.block_type.nbytes + 2 * p.b_desc.block_type.nbytes
+            brow = le * (2 * p.F) + nt * NB
+            b = p.b_bufs.index(s)
+            mbarrier.expect(p.ready.index(s), nbytes, pred=go)
+            _tma_load(p.a_desc, [r0, kk * p.BK], p.ready.index(s), p.a_bufs.index(s), pred=go)
+            _tma_load(p.b_desc, [brow, kk * p.BK], p.ready.index(s), b.slice(0, NB, dim=0),
+                      pred=go)  # fmt: skip
+            _tma_load(p.b_desc, [brow + p.F, kk * p.BK], p.ready.index(s), b.slice(NB, NB, dim=0),
+                      pred=go)  # fmt: skip
+        else:
+            # A columns past H are TMA's zero fill, so B rows read past the expert meet zeros
+            nbytes2: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
+            mbarrier.expect(p.ready.index(s), nbytes2, pred=go)
+            _tma_load(p.a_desc, [r0, kk * p.BK], p.ready.index(s), p.a_bufs.index(s), pred=go)
+            _tma_load(p.b_desc, [le * p.H + kk * p.BK, nt * p.BN], p.ready.index(s),
+                      p.b_bufs.index(s), pred=go)  # fmt: skip
+
+    @gluon.jit
+    def _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k):
+        """:func:`_issue` with the position worked out from ``ip`` and the expert loaded here:
+        the backward's path (see :func:`_mma`)."""
+        ti = ip // n_k
+        kk = ip - ti * n_k
+        t = pid + ti * nprog
+        mt, nt = _tile_of(t, n_m, n_n, p.GROUP_M)
+        r0 = mt * p.BM
+        le = gl.load(p.row_l_ptr + r0, mask=ip < n_iter, other=0)
+        _issue(p, ip, n_iter, (kk, ti, r0, nt, le, r0, nt, le))
+
+    @gluon.jit
+    def _mma(p):
+        """Default partition: issues the loads STAGES - 1 steps ahead and the wgmmas; hands
+        each finished tile to the epilogue through ``c_smem``.
+
+        Where the loads' positions come from differs by mode, as measured (H200, ab_layers,
+        2026-12-04): the forward carries them from step to step and loads a tile's expert one
+        tile ahead (qwen3-30b-a3b 1.686 -> 1.625 ms, olmoe 2.045 -> 1.970, against a load
+        between every two wgmmas); the backward, the same change made slower (0.906 -> 0.969,
+        1.144 -> 1.223 ms), so it keeps the per-step load (:func:`_issue_at`)."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
+        )
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.F, _cols_per_tile(p.BN, p.FWD))
+        n_k = gl.cdiv(p.H, p.BK)
+        n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
+        r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
+        r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
+        zero = pid * 0
+        st = (zero, zero, r0, nt, le, r0n, ntn, len_)
+        for ip in gl.static_range(STAGES - 1):
+            if p.FWD:
+                _issue(p, ip, n_iter, st)
+                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+            else:
+                _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
+        acc = gl.zeros((p.BM, p.BN), gl.float32, layout=layout)
+        j = 0
+        kk = zero  # the consumed step's K index, carried (no division between wgmmas)
+        for ic in range(n_iter):
+            s = ic % STAGES
+            mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+            if p.FWD:  # K-major weight tiles: the transposed view, as wgmma reads it
+                acc = warpgroup_mma(
+                    p.a_bufs.index(s),
+                    p.b_bufs.index(s).permute((1, 0)),
+                    acc,
+                    use_acc=kk > 0,
+                    is_async=True,
+                )
+            else:
+                acc = warpgroup_mma(
+                    p.a_bufs.index(s), p.b_bufs.index(s), acc, use_acc=kk > 0, is_async=True
+                )
+            # step ic - 1's wgmma is done: its stage takes step ic + STAGES - 1
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            if p.FWD:
+                _issue(p, ic + STAGES - 1, n_iter, st)
+                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+            else:
+                _issue_at(p, ic + STAGES - 1, n_iter, pid, nprog, n_m, n_n, n_k)
+            if kk == n_k - 1:
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.wait(p.c_empty, (j & 1) ^ 1)  # a fresh barrier passes phase 1
+                p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
+                fence_async_shared()
+                mbarrier.arrive(p.c_ready)
+                j += 1
+            kk = gl.where(kk == n_k - 1, 0, kk + 1)
+
+    @gluon.jit
+    def _tile_rows(p, t, n_m, n_n, total):
+        """(first row, N tile, end of its expert's rows) of tile ``t``; end 0 past the last
+        tile, so every load for it is masked off."""
+        ok = t < total
+        mt, nt = _tile_of(t, n_m, n_n, p.GROUP_M)
+        r0 = mt * p.BM
+        le = gl.load(p.row_l_ptr + r0, mask=ok, other=0)
+        return r0, nt, gl.load(p.exp_end_ptr + le, mask=ok, other=0)
+
+    @gluon.jit
+    def _load_pre(p, r0, rc: gl.constexpr, nt, end, ROWS: gl.constexpr, COLS: gl.constexpr):
+        """The saved gate and up of row chunk ``rc`` of a tile: ``BN // SUB`` pieces each."""
+        rows = r0 + rc * SUB_R + gl.arange(0, SUB_R, layout=ROWS)
+        keep = rows < end
+        gs = ()
+        us = ()
+        for ch in gl.static_range(p.BN // SUB):
+            cols = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
+            m2 = keep[:, None] & (cols < p.F)[None, :]
+            src = p.pre_ptr + (rows[:, None] * p.stride_pm + cols[None, :])
+            gs = gs + (gl.load(src, mask=m2, other=0.0),)
+            us = us + (gl.load(src + p.F, mask=m2, other=0.0),)
+        return gs, us
+
+    @gluon.jit
+    def _epilogue(p):
+        """Worker partition. Memory-latency bound, so the saved gate/up of the next row chunk
+        (across tiles too) are in flight while this chunk computes and stores: loads are never
+        reordered past the stores before them (the compiler cannot rule out aliasing), so a
+        chunk-at-a-time loop waited out a full memory latency per chunk."""
+        EL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [p.EPI_WARPS, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, EL)
+        COLS: gl.constexpr = gl.SliceLayout(0, EL)
+        NR: gl.constexpr = p.BM // SUB_R
+        dt = p.out_ptr.dtype.element_ty
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.F, p.BN)
+        total = n_m * n_n
+        r0, nt, end = _tile_rows(p, pid, n_m, n_n, total)
+        nxt = _load_pre(p, r0, 0, nt, end, ROWS, COLS)
+        j = 0
+        for t in range(pid, total, nprog):
+            r0n, ntn, endn = _tile_rows(p, t + nprog, n_m, n_n, total)
+            mbarrier.wait(p.c_ready, j & 1)
+            for rc in gl.static_range(NR):
+                gs, us = nxt
+                if rc + 1 < NR:
+                    nxt = _load_pre(p, r0, rc + 1, nt, end, ROWS, COLS)
+                else:
+                    nxt = _load_pre(p, r0n, 0, ntn, endn, ROWS, COLS)
+                rows = r0 + rc * SUB_R + gl.arange(0, SUB_R, layout=ROWS)
+                keep = rows < end
+                part = gl.zeros([SUB_R], gl.float32, layout=ROWS)
+                for ch in gl.static_range(p.BN // SUB):
+                    piece = p.c_smem.slice(rc * SUB_R, SUB_R, dim=0).slice(ch * SUB, SUB, dim=1)
+                    h = piece.load(EL).to(gl.float32)
+                    g = gs[ch].to(gl.float32)
+                    u = us[ch].to(gl.float32)
+                    cols = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
+                    cm = cols < p.F
+                    sg = 1.0 / (1.0 + gl.exp(-g))
+                    # masked loads gave g = u = 0 on padding rows: both derivatives are 0 there
+                    d_g = h * u * sg * (1.0 + g * (1.0 - sg))
+                    d_u = h * g * sg
+                    dst = p.out_ptr + (rows[:, None] * p.stride_om + cols[None, :])
+                    sm = (rows >= 0)[:, None] & cm[None, :]
+                    gl.store(dst, d_g.to(dt), mask=sm)
+                    gl.store(dst + p.F, d_u.to(dt), mask=sm)
+                    if p.DW:
+                        part += gl.sum(d_u * u, axis=1)
+                if p.DW:
+                    sl = gl.load(p.dw_slot_ptr + rows, mask=keep, other=-1)
+                    gl.store(p.dw_ptr + sl.to(gl.int64) * n_n + nt, part, mask=keep & (sl >= 0))
+            # every warp of this partition has read c_smem before the MMA partition rewrites it
+            _partition_barrier()
+            mbarrier.arrive(p.c_empty)
+            r0 = r0n
+            nt = ntn
+            end = endn
+            j += 1
+
+    @gluon.jit
+    def _epilogue_fwd(p):
+        """Worker partition of the forward: ``h = silu(gate) * up`` from the tile's two halves
+        in ``c_smem`` (and, with ``SAVE_GU``, gate and up themselves for the backward), zeros on
+        padding rows. Stores only: nothing here waits on memory but the tile's row metadata,
+        loaded before the tile is ready."""
+        EL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [p.EPI_WARPS, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, EL)
+        COLS: gl.constexpr = gl.SliceLayout(0, EL)
+        NR: gl.constexpr = p.BM // SUB_R
+        NB: gl.constexpr = p.BN // 2
+        dt = p.out_ptr.dtype.element_ty
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.F, NB)
+        total = n_m * n_n
+        j = 0
+        for t in range(pid, total, nprog):
+            r0, nt, end = _tile_rows(p, t, n_m, n_n, total)
+            mbarrier.wait(p.c_ready, j & 1)
+            for rc in gl.static_range(NR):
+                rows = r0 + rc * SUB_R + gl.arange(0, SUB_R, layout=ROWS)
+                keep = (rows < end)[:, None]
+                for ch in gl.static_range(NB // SUB):
+                    chunk = p.c_smem.slice(rc * SUB_R, SUB_R, dim=0)
+                    g = chunk.slice(ch * SUB, SUB, dim=1).load(EL).to(gl.float32)
+                    u = chunk.slice(NB + ch * SUB, SUB, dim=1).load(EL).to(gl.float32)
+                    # the staged padding rows are zeros already; this keeps h's zeros there
+                    # whatever the A buffer held
+                    g = gl.where(keep, g, 0.0)
+                    u = gl.where(keep, u, 0.0)
+                    cols = nt * NB + ch * SUB + gl.arange(0, SUB, layout=COLS)
+                    sm = (rows >= 0)[:, None] & (cols < p.F)[None, :]
+                    hv = g / (1.0 + gl.exp(-g)) * u
+                    gl.store(p.out_ptr + (rows[:, None] * p.stride_om + cols[None, :]),
+                             hv.to(dt), mask=sm)  # fmt: skip
+                    if p.SAVE_GU:
+                        dst = p.pre_ptr + (rows[:, None] * p.stride_pm + cols[None, :])
+                        gl.store(dst, g.to(dt), mask=sm)
+                        gl.store(dst + p.F, u.to(dt), mask=sm)
+            # every warp of this partition has read c_smem before the MMA partition rewrites it
+            _partition_barrier()
+            mbarrier.arrive(p.c_empty)
+            j += 1
+
+    @gluon.jit
+    def _layer0_ws_kernel(
+        a_desc,
+        b_desc,
+        pre_ptr,
+        out_ptr,
+        row_l_ptr,
+        exp_end_ptr,
+        n_tiles_ptr,
+        dw_ptr,
+        dw_slot_ptr,
+        H,
+        F,
+        stride_pm,
+        stride_om,
+        BM: gl.constexpr,
+        BN: gl.constexpr,
+        BK: gl.constexpr,
+        STAGES: gl.constexpr,
+        GROUP_M: gl.constexpr,
+        DW: gl.constexpr,
+        FWD: gl.constexpr,
+        SAVE_GU: gl.constexpr,
+        EPI_WARPS: gl.constexpr,
+        EPI_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        dt: gl.constexpr = a_desc.dtype
+        a_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], a_desc.layout)
+        if FWD:  # K-major weight tiles, gate rows then up rows
+            b_bufs = gl.allocate_shared_memory(dt, [STAGES, BN, BK], b_desc.layout)
+        else:
+            b_bufs = gl.allocate_shared_memory(dt, [STAGES, BK, BN], b_desc.layout)
+        c_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dt)
+        c_smem = gl.allocate_shared_memory(dt, [BM, BN], c_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(c_ready, count=1)
+        mbarrier.init(c_empty, count=1)
+        p = _Args(a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, c_ready, c_empty,
+                  pre_ptr, out_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, dw_ptr, dw_slot_ptr,
+                  H, F, stride_pm, stride_om, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, num_warps,
+                  EPI_WARPS)  # fmt: skip
+        if FWD:
+            gl.warp_specialize([(_mma, (p,)), (_epilogue_fwd, (p,))], [EPI_WARPS], [EPI_REGS])
+        else:
+            gl.warp_specialize([(_mma, (p,)), (_epilogue, (p,))], [EPI_WARPS], [EPI_REGS])
+
+
+def _gl_dtype(t):
+    return {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
+
+
+def _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs, fwd, save_gu):
+    DW = dw is not None
+    _layer0_ws_kernel[(n_programs,)](
+        a_desc,
+        b_desc,
+        pre,
+        out,
+        layout.row_local_expert,
+        layout.expert_end,
+        layout.n_tiles,
+        dw if DW else out,
+        dw_slot if DW else layout.row_local_expert,
+        H,
+        F,
+        pre.stride(0),
+        out.stride(0),
+        BM=cfg["BM"],
+        BN=cfg["BN"],
+        BK=cfg["BK"],
+        STAGES=cfg["STAGES"],
+        GROUP_M=cfg["GM"],
+        DW=DW,
+        FWD=fwd,
+        SAVE_GU=save_gu,
+        EPI_WARPS=4,
+        EPI_REGS=cfg["EPI_REGS"],
+        num_warps=8,
+        maxnreg=cfg["MAXNREG"],
+    )
+
+
+def swiglu_ws(a_rows, w1, h, gu, layout, cfg: dict, n_programs: int):
+    """Launch :func:`_layer0_ws_kernel`'s forward: ``h = silu(gate) * up`` of
+    ``a_rows @ w1[l]^T`` per local expert.
+
+    a_rows  ``[R, H]``: the gathered x rows (padding rows zero), bf16 / fp16.
+    w1      ``[El, 2F, H]`` contiguous, same dtype: gate rows ``[0, F)``, up rows ``[F, 2F)``.
+    h       ``[R, F]``: written on every row of every tile (zeros on padding).
+    gu      ``[R, 2F]`` or None: the gate and up pre-activations (rounded to the dtype, as ``h``
+            is computed from them), for the backward.
+    layout  the one-rank :class:`Layout` (``row_local_expert``, ``expert_end``, ``n_tiles``).
+    cfg     ``BM`` (the layout's), ``BN`` (gate + up columns of a tile), ``BK``, ``STAGES``,
+            ``GM``, ``EPI_REGS``, ``MAXNREG``.
+    """
+    R, H = a_rows.shape
+    El, F2, _ = w1.shape
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    gdt = _gl_dtype(a_rows)
+    a_lay = gl.NVMMASharedLayout.get_default_for([BM, BK], gdt)
+    b_lay = gl.NVMMASharedLayout.get_default_for([BN // 2, BK], gdt)
+    a_desc = TensorDescriptor.from_tensor(a_rows, [BM, BK], a_lay)
+    b_desc = TensorDescriptor.from_tensor(w1.view(El * F2, H), [BN // 2, BK], b_lay)
+    save = gu is not None
+    _launch(a_desc, b_desc, gu if save else h, h, layout, None, None, H, F2 // 2, cfg,
+            n_programs, True, save)  # fmt: skip
+    return h
+
+
+def dact_swiglu_ws(a_rows, w2, pre, out, layout, dw, dw_slot, cfg: dict, n_programs: int):
+    """Launch :func:`_layer0_ws_kernel`'s backward (``d gu``).
+
+    a_rows  ``[R, H]``: the gathered rows ``dy * w`` (padding rows zero), bf16 / fp16.
+    w2      ``[El, H, F]`` contiguous, same dtype.
+    pre     ``[R, 2F]``: the saved gate (``[:, :F]``) and up pre-activations.
+    out     ``[R, 2F]``: ``d gu``, written on every row of every tile (zeros on padding).
+    layout  the one-rank :class:`Layout` (``row_local_expert``, ``expert_end``, ``n_tiles``).
+    dw      ``[S, cdiv(F, BN)]`` fp32 partials or None; ``dw_slot [R]`` int32 with it.
+    cfg     ``BM`` (the layout's), ``BN``, ``BK``, ``STAGES``, ``GM``, ``EPI_REGS``.
+    """
+    R, H = a_rows.shape
+    El, _, F = w2.shape
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    gdt = _gl_dtype(a_rows)
+    a_lay = gl.NVMMASharedLayout.get_default_for([BM, BK], gdt)
+    b_lay = gl.NVMMASharedLayout.get_default_for([BK, BN], gdt)
+    a_desc = TensorDescriptor.from_tensor(a_rows, [BM, BK], a_lay)
+    b_desc = TensorDescriptor.from_tensor(w2.view(El * H, F), [BK, BN], b_lay)
+    _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs, False, False)
+    return out
+
+
+__all__ = ["HAVE_GLUON", "dact_swiglu_ws", "swiglu_ws"]
