@@ -203,7 +203,8 @@ if HAVE_GLUON:
         # the same grouped order as moe_layer0.tile_coords
         group = GROUP_M * n_n
         first_m = (t // group) * GROUP_M
-        gsize = gl.minimum(n_m - first_m, GROUP_M)
+        # at least 1: past the last tile (masked off by the callers) it would divide by 0
+        gsize = gl.maximum(gl.minimum(n_m - first_m, GROUP_M), 1)
         return first_m + (t % group) % gsize, (t % group) // gsize
 
     @gluon.constexpr_function

@@ -325,6 +325,19 @@ def test_bad_ws_config_is_rejected(env, var, get, monkeypatch):
     )
 
 
+def test_ws_config_checks_shared_memory_and_forward_width(monkeypatch):
+    # a config whose ring and hand-off tile overflow a block's 227 KiB fails before any launch;
+    # the forward's epilogue takes each half of a tile in 64-column pieces, so BN >= 128
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", "256,128,3,8,184")
+    with pytest.raises(ValueError, match="shared memory"):
+        fused.dact_ws_config()
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS_CONFIG", "64,64,4,8,184")
+    with pytest.raises(ValueError, match="BN must be 128 or 256"):
+        fused.layer0_ws_config()
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", "64,64,4,8,184")  # fine for the backward
+    assert fused.dact_ws_config()["BN"] == 64
+
+
 def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
     # The Gluon kernels are GPU-only: on CPU tensors, in the interpreter, at W > 1, for other
     # activations, without gathered rows, with a bias or a trace, or with the switch off, the

@@ -311,6 +311,7 @@ DACT_WS = [
     (300, 256, 512, 4, 1, "hot", "1"),
     (513, 384, 256, 8, 4, "one", "1"),
     (640, 512, 768, 8, 3, "empty", "0"),
+    (200, 64, 96, 4, 2, "uniform", "1"),  # one K step (H = BK): every step starts a tile
 ]
 DACT_WS_CONFIGS = [None, "128,64,4,8,152", "256,64,2,16,128"]
 
@@ -411,6 +412,7 @@ def test_forward_backward_layer0_warp_specialized(spec, cfg, dact_ws, monkeypatc
 def test_inference_layer0_warp_specialized(spec, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "1")  # inference stages where it pays; force it
     prob = _ws_problem(spec)
     device = torch.device("cuda", torch.cuda.current_device())
     calls = _spy(monkeypatch, "_launch_l0_ws")
@@ -440,6 +442,7 @@ def test_layer0_warp_specialized_equals_triton_kernel(save_gu, monkeypatch):
     monkeypatch.setenv("MOE_OVERLAP_L0_WS", "0")
     ref_h, ref_gu = run()
     monkeypatch.delenv("MOE_OVERLAP_L0_WS")
+    monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "1")  # inference at 2F < 2048: staging forced
     assert fused._l0_ws_usable(x, w1, p.layout, p.world, "swiglu", None, None)
     calls = _spy(monkeypatch, "_launch_l0_ws")
     # poison: the caching allocator hands these NaN blocks back as the kernel's outputs, so a
