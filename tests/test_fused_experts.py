@@ -325,6 +325,43 @@ def test_bad_ws_config_is_rejected(env, var, get, monkeypatch):
     )
 
 
+def test_layer0_takes_the_ws_forward_only_for_its_cases(monkeypatch):
+    # The host's gate in _launch_layer0, with the device checks passed (mocked): the SwiGLU
+    # forward on gathered rows goes to the Gluon path; a bias, the backward's dispatch (dact /
+    # scaled rows) or unstaged inference that does not pay stays with the Triton kernel.
+    world = local_world(torch.device("cpu"))
+    T, H, F, E = 6, 16, 8, 2
+    x = torch.randn(T, H)
+    w1 = torch.randn(E, 2 * F, H)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1], [1, 0]])
+    layout = fused.dispatch_layout(ids, E, world)
+    ws = fused._workspace(world, layout, H, x.dtype)
+    rows = fused._gather_rows(layout, x, ws.recv)
+    calls = []
+    monkeypatch.setattr(fused, "_l0_ws_usable", lambda *a: True)
+    monkeypatch.setattr(
+        fused, "_launch_l0_ws", lambda r, w, lay, wo, save: calls.append(save) or ("h", None)
+    )
+    assert fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws, True, a_rows=rows) == (
+        "h",
+        None,
+    )
+    assert calls == [True]
+    monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "0")  # inference, staging off: Triton
+    h, _ = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)
+    assert isinstance(h, torch.Tensor) and calls == [True]
+    monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "1")
+    fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)
+    assert calls == [True, False]
+    # the backward's dispatch GEMM runs through _launch_layer0 with dact: never this path
+    gu = torch.randn(layout.rows_cap, 2 * F)
+    w2 = torch.randn(E, H, F)
+    d_gu, _ = fused._launch_layer0(x, layout, w2, world, "none", n_out=F, stride_wn=w2.stride(2),
+                                   stride_wk=w2.stride(1), stage_ws=ws, dact="swiglu", pre=gu,
+                                   a_rows=rows)  # fmt: skip
+    assert isinstance(d_gu, torch.Tensor) and calls == [True, False]
+
+
 def test_ws_config_checks_shared_memory_and_forward_width(monkeypatch):
     # a config whose ring and hand-off tile overflow a block's 227 KiB fails before any launch;
     # the forward's epilogue takes each half of a tile in 64-column pieces, so BN >= 128
