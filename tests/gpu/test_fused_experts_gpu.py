@@ -602,11 +602,15 @@ def test_put_transport_equals_store_transport(W, per_node):
 
 
 # ------------------------------------------------------------------------------ CUDA graphs
-def test_cuda_graph_capture_replays_with_new_inputs():
+# without a bias and at 2F >= 2048, the Gluon forward (kernels/moe_layer0_ws.py, on Hopper) on
+# rows staged into the workspace is what the graph captures
+@pytest.mark.parametrize("bias, F", [(True, 1000), (False, 1024)], ids=["bias", "no-bias"])
+def test_cuda_graph_capture_replays_with_new_inputs(bias, F, monkeypatch):
     device = torch.device("cuda", torch.cuda.current_device())
     world = local_world(device)
-    T, H, F, E, K, act = 512, 512, 1000, 8, 2, "swiglu"
-    probs = [make_problem(1, (T,), H, F, E, K, act, True, "zipf", seed=s) for s in range(3)]
+    ws_calls = _spy(monkeypatch, "_launch_l0_ws")
+    T, H, E, K, act = 512, 512, 8, 2, "swiglu"
+    probs = [make_problem(1, (T,), H, F, E, K, act, bias, "zipf", seed=s) for s in range(3)]
     for p in probs[1:]:
         p["glob"] = probs[0]["glob"]  # one set of expert weights, captured by the graph
     lv = leaves_of(probs[0], 0, device)  # weights stay fixed; x, ids, weights are replaced
@@ -662,3 +666,8 @@ def test_cuda_graph_capture_replays_with_new_inputs():
         assert torch.equal(static_y, eager), "graph replay differs from eager"
         ys, _, _ = reference(p, device)
         assert_close(static_y, ys[0], dtype=BF16, name="graph replay y")
+    from moe_overlap.kernels.moe_layer0_ws import HAVE_GLUON
+
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    want = hopper and HAVE_GLUON and not bias
+    assert bool(ws_calls) == want, "the Gluon forward's use is not as expected"
