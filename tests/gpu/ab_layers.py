@@ -19,10 +19,10 @@ from sweep_bwd import bwd_dispatch, problem  # this script's folder is on sys.pa
 from moe_overlap.experts import fused
 
 AB = os.environ.get("AB", "").split() or [
-    "ws=",
-    "triton=MOE_OVERLAP_L0_WS=0",
+    "default=",
+    "triton=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_DACT_WS=0",
+    "staged=MOE_OVERLAP_L0_STAGE=1",
     "triton-staged=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_L0_STAGE=1",
-    "ws-gm16=MOE_OVERLAP_L0_WS_CONFIG=256,64,3,16,184",
 ]
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 CPU = os.environ.get("TRITON_INTERPRET") == "1"  # a logic check of this script, tiny and fp16
