@@ -316,42 +316,6 @@ DACT_WS = [
 DACT_WS_CONFIGS = [None, "128,64,4,8,152", "256,64,2,16,128"]
 
 
-@pytest.mark.parametrize("cfg", DACT_WS_CONFIGS, ids=lambda c: c or "default")
-@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
-def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("warpgroup MMA: Hopper only")
-    T, H, F, E, K, routing, dw = spec
-    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", dw)
-    if cfg:
-        monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", cfg)
-    prob = make_problem(1, (T,), H, F, E, K, "swiglu", False,
-                        "uniform" if routing in ("one", "empty") else routing)  # fmt: skip
-    ids = prob["ranks"][0]["ids"]
-    if routing == "one":  # every assignment on expert 2 (top-1 duplicates are fine: K slots)
-        ids[:, 0] = 2
-    elif routing == "empty":  # experts 0 and 5 get nothing
-        ids[ids == 0] = 1
-        ids[ids == 5] = 6
-    prob["ranks"][0]["wts"].view(-1)[::13] = 0.0
-    device = torch.device("cuda", torch.cuda.current_device())
-    calls = []
-    real = fused._launch_dact_ws
-
-    def spy(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(fused, "_launch_dact_ws", spy)
-    lv = leaves_of(prob, 0, device, requires_grad=True)
-    d = prob["ranks"][0]
-    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
-    (y * d["gy"].to(device)).sum().backward()
-    assert calls, "the warp-specialized kernel did not run"
-    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
-    check(prob, got, device, backward=True, tag=f"dact ws {spec} {cfg}")
-
-
 def _spy(monkeypatch, name):
     calls = []
     real = getattr(fused, name)
@@ -376,6 +340,26 @@ def _ws_problem(spec):
         ids[ids == 5] = 6
     prob["ranks"][0]["wts"].view(-1)[::13] = 0.0
     return prob
+
+
+@pytest.mark.parametrize("cfg", DACT_WS_CONFIGS, ids=lambda c: c or "default")
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", cfg)
+    prob = _ws_problem(spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+    calls = _spy(monkeypatch, "_launch_dact_ws")
+    lv = leaves_of(prob, 0, device, requires_grad=True)
+    d = prob["ranks"][0]
+    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
+    (y * d["gy"].to(device)).sum().backward()
+    assert calls, "the warp-specialized kernel did not run"
+    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
+    check(prob, got, device, backward=True, tag=f"dact ws {spec} {cfg}")
 
 
 # Layer 0's SwiGLU forward in the same Gluon kernel (its forward mode): the same problems, in
