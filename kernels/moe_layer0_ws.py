@@ -61,8 +61,12 @@ ptxas refused. Of the 12, ``setmaxnreg`` gives the epilogue warp group ``EPI_REG
 the MMA warp groups 160 (ptxas: 8 bytes of spills a thread; 438 at 152, 1.8 KB at 128).
 
 Measured on the H200 (``tests/gpu/ab_layers.py``, L2 flushed, medians of 2-3 rounds,
-2026-12-04), qwen3-30b-a3b / olmoe, against ``torch._grouped_mm`` on the bare GEMM (0.78 /
-0.94 ms) and the Triton kernel (1.05 / 1.30-1.35 ms):
+2026-12-04), qwen3-30b-a3b / olmoe. The forward, inference with its staging pass, against
+``torch._grouped_mm`` (1.51 / 1.83-1.87 ms) and the Triton kernel (pointer loads, 1.58-1.61 /
+1.96-2.02 ms): **1.60-1.63 / 1.97 ms**; saving gate/up 1.665 / 2.007 against Triton's 1.640 /
+2.063; the first version (a global load between two wgmmas, see :func:`_mma`) 1.72-1.80 /
+2.13-2.16. The backward, against ``torch._grouped_mm`` on the bare GEMM (0.78 / 0.94 ms) and
+the Triton kernel (1.05 / 1.30-1.35 ms):
 
 * this kernel: **0.91-0.92 / 1.17-1.18 ms**;
 * the first version, each ``[32, 64]`` piece loading its gate/up before computing it: 1.45 /
