@@ -342,6 +342,21 @@ def _ws_problem(spec):
     return prob
 
 
+def _check_ws_fwd_bwd(spec, launcher, tag, monkeypatch):
+    """Forward+backward of ``_ws_problem(spec)`` at one rank against the float64 reference;
+    ``launcher`` (a ``fused`` function) must have run."""
+    prob = _ws_problem(spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+    calls = _spy(monkeypatch, launcher)
+    lv = leaves_of(prob, 0, device, requires_grad=True)
+    d = prob["ranks"][0]
+    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
+    (y * d["gy"].to(device)).sum().backward()
+    assert calls, f"{launcher} did not run"
+    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
+    check(prob, got, device, backward=True, tag=tag)
+
+
 @pytest.mark.parametrize("cfg", DACT_WS_CONFIGS, ids=lambda c: c or "default")
 @pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
 def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
@@ -350,16 +365,7 @@ def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
     monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
     if cfg:
         monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", cfg)
-    prob = _ws_problem(spec)
-    device = torch.device("cuda", torch.cuda.current_device())
-    calls = _spy(monkeypatch, "_launch_dact_ws")
-    lv = leaves_of(prob, 0, device, requires_grad=True)
-    d = prob["ranks"][0]
-    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
-    (y * d["gy"].to(device)).sum().backward()
-    assert calls, "the warp-specialized kernel did not run"
-    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
-    check(prob, got, device, backward=True, tag=f"dact ws {spec} {cfg}")
+    _check_ws_fwd_bwd(spec, "_launch_dact_ws", f"dact ws {spec} {cfg}", monkeypatch)
 
 
 # Layer 0's SwiGLU forward in the same Gluon kernel (its forward mode): the same problems, in
@@ -368,28 +374,20 @@ def test_forward_backward_dact_warp_specialized(spec, cfg, monkeypatch):
 L0_WS_CONFIGS = [None, "128,64,4,8,152", "256,64,2,16,128"]
 
 
-@pytest.mark.parametrize("dact_ws", ["1", "0"])
-@pytest.mark.parametrize("cfg", L0_WS_CONFIGS, ids=lambda c: c or "default")
+@pytest.mark.parametrize(
+    "cfg, dact_ws",
+    [(c, "1") for c in L0_WS_CONFIGS] + [(None, "0")],  # the Triton backward: one config
+    ids=lambda v: v or "default",
+)
 @pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
 def test_forward_backward_layer0_warp_specialized(spec, cfg, dact_ws, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMA: Hopper only")
-    if dact_ws == "0" and cfg is not None:
-        pytest.skip("one config covers the mix")
     monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
     monkeypatch.setenv("MOE_OVERLAP_DACT_WS", dact_ws)
     if cfg:
         monkeypatch.setenv("MOE_OVERLAP_L0_WS_CONFIG", cfg)
-    prob = _ws_problem(spec)
-    device = torch.device("cuda", torch.cuda.current_device())
-    calls = _spy(monkeypatch, "_launch_l0_ws")
-    lv = leaves_of(prob, 0, device, requires_grad=True)
-    d = prob["ranks"][0]
-    y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
-    (y * d["gy"].to(device)).sum().backward()
-    assert calls, "the warp-specialized forward did not run"
-    got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
-    check(prob, got, device, backward=True, tag=f"l0 ws {spec} {cfg}")
+    _check_ws_fwd_bwd(spec, "_launch_l0_ws", f"l0 ws {spec} {cfg} dact ws {dact_ws}", monkeypatch)
 
 
 @pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
