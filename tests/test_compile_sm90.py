@@ -373,3 +373,56 @@ def test_layer0_warp_specialized_kernel_compiles_for_sm90(tmp_path):
     if "no gluon" in out:
         pytest.skip("this Triton has no Gluon")
     assert "compiled 10 warp-specialized" in out
+
+
+_WGRAD_SCRIPT = textwrap.dedent(
+    """
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+    from moe_overlap.kernels import moe_wgrad
+
+    fn = moe_wgrad._wgrad_kernel
+    n = 0
+    # the default (one program an SM) and the two-programs-an-SM candidate
+    for (BM, BN, BK, stages), smem_max in (((128, 256, 64, 3), 227), ((128, 128, 64, 2), 113)):
+        types = dict(a_desc=f"tensordesc<bf16[{BK}, {BM}]>", b_desc=f"tensordesc<bf16[{BK}, {BN}]>",
+                     o_desc=f"tensordesc<bf16[1, {BM}, {BN}]>", start_ptr="*i32", end_ptr="*i32",
+                     El="i32", M="i32", N="i32")
+        consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8)
+        sig, cx = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name], cx[(i,)] = "constexpr", consts[name]
+            else:
+                sig[name] = types[name]
+        attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+                 if name in ("start_ptr", "end_ptr", "M", "N")}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": stages})
+        assert k.metadata.shared <= smem_max * 1024, (BN, k.metadata.shared)
+        ptx = k.asm["ptx"]
+        # wgmma on TMA tiles (A read transposed from shared memory), the output stored by TMA
+        assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.3d.global.shared" in ptx
+        with tempfile.TemporaryDirectory() as d:
+            open(f"{d}/k.ptx", "w").write(ptx)
+            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
+                                f"{d}/k.o"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        stores = int(re.search(r"(\\d+) bytes spill stores", r.stderr).group(1))
+        assert stores == 0, r.stderr[-2000:]
+        n += 1
+    print(f"compiled {n} wgrad variants for sm_90")
+    """
+)
+
+
+def test_wgrad_kernel_compiles_for_sm90(tmp_path):
+    # kernels/moe_wgrad.py as launched on the H200: fits in shared memory (the two-programs
+    # candidate twice), no spills, TMA loads and stores, wgmma
+    assert "compiled 2 wgrad" in _compile_in_subprocess(_WGRAD_SCRIPT, tmp_path)

@@ -44,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
+from ..kernels import moe_wgrad
 from ..kernels.gather_rows import gather_rows
 from ..kernels.gather_rows import row_scale as _row_scale_kernel
 from ..kernels.launch import launch as _launch
@@ -821,11 +822,49 @@ def _expert_sum(rows, layout: Layout):
     return out.index_add_(0, layout.row_local_expert.long(), rows.float())
 
 
+def wgrad_config() -> dict:
+    """Block config of the weight-gradient kernel (``kernels/moe_wgrad.py``);
+    ``MOE_OVERLAP_WGRAD_CONFIG=BM,BN,BK,warps,stages[,GROUP_M]`` pins one (``BK`` must divide
+    the layout's BLOCK_M); ``MOE_OVERLAP_WGRAD_GRID=tiles`` launches one program per tile
+    instead of one per SM (``GRID``), so two can share an SM where the config fits twice."""
+    cfg = _env_cfg("MOE_OVERLAP_WGRAD_CONFIG")
+    if cfg is None:
+        if interpreted():
+            cfg = dict(BM=16, BN=16, BK=16, num_warps=4, num_stages=1)
+        else:  # 3 x 48 KiB of A and B stages + the 64 KiB output tile the TMA store stages
+            cfg = dict(BM=128, BN=256, BK=64, num_warps=8, num_stages=3)
+    cfg.setdefault("GM", 8)
+    grid = os.environ.get("MOE_OVERLAP_WGRAD_GRID", "persistent")
+    if grid not in ("persistent", "tiles"):
+        raise ValueError(f"MOE_OVERLAP_WGRAD_GRID must be persistent or tiles, got {grid!r}")
+    cfg["GRID"] = grid
+    return cfg
+
+
+def _wgrad_kernel_usable(a_rows, b_rows, layout: Layout, out_dtype, cfg) -> bool:
+    """Whether :func:`_grouped_wgrad` runs ``kernels/moe_wgrad.py``: ``MOE_OVERLAP_WGRAD=kernel``
+    (the default, ``grouped_mm``, is what has been measured), TMA-usable operands of one dtype
+    and output dtype, ``BK`` dividing BLOCK_M (the K loop's last step must stay inside the
+    expert's zero padding)."""
+    env = os.environ.get("MOE_OVERLAP_WGRAD", "grouped_mm")
+    if env not in ("grouped_mm", "kernel"):
+        raise ValueError(f"MOE_OVERLAP_WGRAD must be grouped_mm or kernel, got {env!r}")
+    if env != "kernel" or not (a_rows.is_cuda or interpreted()):
+        return False
+    if a_rows.dtype != b_rows.dtype or out_dtype != a_rows.dtype:
+        return False
+    if layout.block_m % cfg["BK"] or a_rows.shape[0] != b_rows.shape[0]:
+        return False
+    return _tma_usable(a_rows) and _tma_usable(b_rows)
+
+
 def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     """``out[l] = a_rows[rows of l]^T @ b_rows[rows of l]`` -> ``[El, A, B]``.
 
     Padding rows inside the experts' padded ranges are zero in both operands, so each expert
     can use its whole padded range; rows past the last range are unspecified.
+    With ``MOE_OVERLAP_WGRAD=kernel`` (TMA-usable operands): ``kernels/moe_wgrad.py``, whose
+    contraction stops at each expert's real rows (the padding is ~20% of deepseek-v3's rows).
     bf16 on the GPU: one ``torch._grouped_mm``. Otherwise one matmul per expert on its row
     range, which needs the ranges on the host (a sync) - except for emulated ranks sharing a
     GPU, whose backward must never block autograd's shared worker thread: there, a masked
@@ -834,6 +873,14 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     El = layout.local_experts
     BM = layout.block_m
     A, B = a_rows.shape[1], b_rows.shape[1]
+    cfg = wgrad_config()
+    if _wgrad_kernel_usable(a_rows, b_rows, layout, out_dtype, cfg):
+        out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
+        n = El * -(-A // cfg["BM"]) * -(-B // cfg["BN"])
+        n = n if cfg["GRID"] == "tiles" and not interpreted() else _programs(world, n)
+        starts, ends = layout.expert_start, layout.expert_end
+        with launch_lock():
+            return moe_wgrad.grouped_wgrad(a_rows, b_rows, starts, ends, out, cfg, n)
     if (
         a_rows.is_cuda
         and a_rows.dtype == torch.bfloat16
@@ -1175,6 +1222,10 @@ def _warm_backward(x, topk_weights, w1, w2, world, layout, activation, saved, ws
         # the backward's other kernels too: the first of them runs while peers may still spin
         _weights_grad(saved["o"], torch.empty_like(x), layout)
         _gather_rows(layout, torch.empty_like(x), ws.recv, row_scale=row_scale)
+        x_rows, h = saved["x_rows"], saved["h"]
+        if _wgrad_kernel_usable(d_gu, x_rows, layout, w1.dtype, wgrad_config()):
+            _grouped_wgrad(d_gu, x_rows, layout, w1.dtype, world)
+            _grouped_wgrad(torch.empty_like(x_rows), h, layout, w2.dtype, world)
 
 
 def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):

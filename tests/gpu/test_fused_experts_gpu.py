@@ -405,6 +405,46 @@ def test_inference_layer0_warp_specialized(spec, monkeypatch):
     check(prob, [y], device, tag=f"l0 ws inference {spec}")
 
 
+# The weight gradients from kernels/moe_wgrad.py (MOE_OVERLAP_WGRAD=kernel: each expert's
+# contraction stopped at its real rows), one program an SM and one a tile with a config that
+# fits twice; not yet the default.
+WGRAD_CONFIGS = [(None, "persistent"), ("128,128,64,8,2", "tiles")]
+
+
+@pytest.mark.parametrize("cfg, grid", WGRAD_CONFIGS, ids=lambda v: v or "default")
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_forward_backward_wgrad_kernel(spec, cfg, grid, monkeypatch):
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD_GRID", grid)
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_WGRAD_CONFIG", cfg)
+    calls = []
+    real = fused.moe_wgrad.grouped_wgrad
+    monkeypatch.setattr(fused.moe_wgrad, "grouped_wgrad", lambda *a: calls.append(1) or real(*a))
+    _check_ws_fwd_bwd(spec, "_grouped_wgrad", f"wgrad {spec} {cfg} {grid}", monkeypatch)
+    assert len(calls) == 2, "the wgrad kernel did not take both weight gradients"
+
+
+@pytest.mark.parametrize("cfg", [None, "128,128,64,8,2"], ids=lambda v: v or "default")
+def test_wgrad_kernel_equals_grouped_mm(cfg, monkeypatch):
+    # Same padded rows through grouped_mm (whole padded ranges) and the kernel (real rows):
+    # equal to bf16 rounding; the output starts as NaN (poisoned allocator block).
+    from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
+
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_WGRAD_CONFIG", cfg)
+    p = problem("deepseek-v3", shape=(1024, 1024, 512, 32, 8))
+    a, b = p.g_rows, p.gu
+    want = fused._grouped_wgrad(a, b, p.layout, BF16, p.world)
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    assert fused._wgrad_kernel_usable(a, b, p.layout, BF16, fused.wgrad_config())
+    poison = torch.full_like(want, float("nan"))
+    del poison
+    got = fused._grouped_wgrad(a, b, p.layout, BF16, p.world)
+    assert not torch.isnan(got).any()
+    assert_close(got, want, dtype=BF16, name="wgrad")
+
+
 @pytest.mark.parametrize("save_gu", [False, True])
 def test_layer0_warp_specialized_equals_triton_kernel(save_gu, monkeypatch):
     # Same inputs through both forward kernels: h and the saved gate/up equal to bf16 rounding
