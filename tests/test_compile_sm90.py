@@ -14,6 +14,35 @@ import textwrap
 
 import pytest
 
+# Shared by the compile scripts below (each runs in a subprocess of its own).
+_HELPERS = textwrap.dedent(
+    """
+    def signature(fn, types, consts):
+        # (signature, constexprs) of fn for triton.compile
+        sig, cx = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name], cx[(i,)] = "constexpr", consts[name]
+            else:
+                sig[name] = types[name]
+        return sig, cx
+
+
+    def ptxas_v(ptx):
+        # ptxas -v's report on ptx for sm_90a (fails on a ptxas error)
+        import subprocess
+        import tempfile
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        with tempfile.TemporaryDirectory() as d:
+            open(f"{d}/k.ptx", "w").write(ptx)
+            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
+                                f"{d}/k.o"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return r.stderr
+    """
+)
+
 _SCRIPT = textwrap.dedent(
     """
     import itertools
@@ -301,7 +330,7 @@ def test_moe_kernels_compile_for_sm90(tmp_path):
     assert "compiled" in _compile_in_subprocess(_SCRIPT, tmp_path)
 
 
-_WS_SCRIPT = textwrap.dedent(
+_WS_SCRIPT = _HELPERS + textwrap.dedent(
     """
     import itertools
     import torch
@@ -344,12 +373,7 @@ _WS_SCRIPT = textwrap.dedent(
                      stride_om="i32")
         consts = dict(BM=BM, BN=BN, BK=BK, STAGES=ST, GROUP_M=GM, DW=DW, FWD=FWD, SAVE_GU=SAVE,
                       EPI_WARPS=4, EPI_REGS=ER, num_warps=8)
-        sig, cx = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name], cx[(i,)] = "constexpr", consts[name]
-            else:
-                sig[name] = types[name]
+        sig, cx = signature(fn, types, consts)
         src = GluonASTSource(fn=fn, signature=sig, constexprs=cx)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": 8, "maxnreg": cfg["MAXNREG"]})
@@ -375,14 +399,11 @@ def test_layer0_warp_specialized_kernel_compiles_for_sm90(tmp_path):
     assert "compiled 10 warp-specialized" in out
 
 
-_WGRAD_SCRIPT = textwrap.dedent(
+_WGRAD_SCRIPT = _HELPERS + textwrap.dedent(
     """
     import re
-    import subprocess
-    import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
     from moe_overlap.kernels import moe_wgrad
 
@@ -394,12 +415,7 @@ _WGRAD_SCRIPT = textwrap.dedent(
                      o_desc=f"tensordesc<bf16[1, {BM}, {BN}]>", start_ptr="*i32", end_ptr="*i32",
                      El="i32", M="i32", N="i32")
         consts = dict(BM=BM, BN=BN, BK=BK, GROUP_M=8)
-        sig, cx = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name], cx[(i,)] = "constexpr", consts[name]
-            else:
-                sig[name] = types[name]
+        sig, cx = signature(fn, types, consts)
         attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
                  if name in ("start_ptr", "end_ptr", "M", "N")}
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs),
@@ -409,13 +425,9 @@ _WGRAD_SCRIPT = textwrap.dedent(
         ptx = k.asm["ptx"]
         # wgmma on TMA tiles (A read transposed from shared memory), the output stored by TMA
         assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.3d.global.shared" in ptx
-        with tempfile.TemporaryDirectory() as d:
-            open(f"{d}/k.ptx", "w").write(ptx)
-            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
-                                f"{d}/k.o"], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-2000:]
-        stores = int(re.search(r"(\\d+) bytes spill stores", r.stderr).group(1))
-        assert stores == 0, r.stderr[-2000:]
+        report = ptxas_v(ptx)
+        stores = int(re.search(r"(\\d+) bytes spill stores", report).group(1))
+        assert stores == 0, report[-2000:]
         n += 1
     print(f"compiled {n} wgrad variants for sm_90")
     """
