@@ -125,3 +125,51 @@ def test_layout_kernels_reject_ids_out_of_range():
     ids[3, 1] = 4
     with pytest.raises(ValueError, match="out of range"):
         L._build_layout_one_rank_kernels(ids, 4, 16, None)
+
+
+def test_static_sizing_with_bounds_that_differ_between_ranks_raises():
+    """Each rank sizes its receive buffer from its own ``max_tokens_per_rank``: a peer with a
+    larger bound can send more rows than fit. Rank 0 must raise (it used to corrupt the heap in
+    ``repeat_interleave``), rank 1, whose bound covers everything, builds."""
+    from moe_overlap.testing import spawn
+
+    Ts = (2, 20)
+
+    def fn(world):
+        T = Ts[world.rank]
+        ids = torch.zeros(T, 2, dtype=torch.int64)  # every assignment on rank 0's expert
+        try:
+            lay = L.build_layout(ids, 2, world, 4, max_tokens_per_rank=T)
+        except RuntimeError as e:
+            return str(e)
+        return int(lay.n_tiles[0])
+
+    got = spawn(2, fn, timeout=60)
+    assert "max_tokens_per_rank=2" in got[0] and "same on every rank" in got[0], got[0]
+    assert got[1] == 0  # rank 1's expert gets nothing
+
+
+def test_static_sizing_survives_negative_counts(monkeypatch):
+    """A timed-out count exchange returns -1 for the missing source (its error is raised at the
+    op's end); the static layout must stay in bounds meanwhile (no host check there)."""
+    from moe_overlap.testing import spawn
+
+    real = L.exchange_counts
+
+    def timed_out(counts, world):
+        out = real(counts, world)
+        out[1] = -1
+        return out
+
+    monkeypatch.setattr(L, "exchange_counts", timed_out)
+    E, K, T = 4, 2, 5
+
+    def fn(world):
+        g = torch.Generator().manual_seed(world.rank)
+        ids = torch.randint(0, E, (T, K), generator=g)
+        lay = L.build_layout(ids, E, world, 4, max_tokens_per_rank=8)
+        return lay.slice_cnt.tolist(), int(lay.n_tiles[0]), lay.rows_cap
+
+    for slice_cnt, n_tiles, rows_cap in spawn(2, fn, timeout=60):
+        assert all(c == 0 for c in slice_cnt[1])  # source 1's -1s read as nothing
+        assert min(min(r) for r in slice_cnt) >= 0 and 0 <= n_tiles * 4 <= rows_cap

@@ -108,6 +108,27 @@ def test_router_low_precision_input_uses_fp32_logits():
     assert_close(out.topk_weights, want.topk_weights, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"])
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_router_under_autocast_keeps_fp32_logits(monkeypatch, kernel, wdtype):
+    """A caller's ``torch.autocast`` region must not lower the logits' GEMM: the kernel path
+    raised on bf16 logits, the torch path routed on them."""
+    monkeypatch.setenv("MOE_OVERLAP_ROUTER_KERNEL", kernel)
+    cfg = MoEConfig(H, 5, E, 2, aux_loss_coef=0.1, z_loss_coef=0.05)
+    r = _router(cfg, wdtype, seed=6)
+    x = randn((40, H), generator=torch.Generator().manual_seed(6)).to(wdtype).requires_grad_()
+    plain = r(x)
+    gp = torch.autograd.grad((plain.topk_weights.sum() + plain.aux_loss), [x, r.weight])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto = r(x)
+    ga = torch.autograd.grad((auto.topk_weights.sum() + auto.aux_loss), [x, r.weight])
+    assert auto.topk_weights.dtype == torch.float32
+    assert torch.equal(auto.topk_ids, plain.topk_ids)
+    assert torch.equal(auto.topk_weights, plain.topk_weights)
+    for a, p in zip(ga, gp):
+        assert torch.equal(a, p)
+
+
 def test_router_zero_coefs_and_zero_tokens():
     cfg = MoEConfig(H, 5, E, 3, capacity_factor=1.0, aux_loss_coef=1.0, z_loss_coef=1.0)
     r = _router(cfg, torch.float32, seed=6)

@@ -175,7 +175,10 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
     send_start = torch.cumsum(counts64[:E], 0) - counts64[:E]  # [E]
 
     cnt_all = exchange_counts(counts, world)  # [W, E] int32
-    cnt64 = cnt_all.to(torch.int64)
+    cnt_raw = cnt_all.to(torch.int64)
+    # A timed-out exchange leaves -1 for the missing source (and its record in the world's error
+    # buffer, raised at the op's end); zeros keep every size below non-negative meanwhile.
+    cnt64 = cnt_raw.clamp(min=0)
 
     # ---- receive geometry of every destination d (all ranks compute all of it)
     cnt_recv = cnt64.view(W, W, El)  # [s, d, l]
@@ -204,7 +207,7 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
     if exact:
         # The one host sync of exact sizing (see module docstring).
         host = (
-            torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1), cnt64.min().view(1)])
+            torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1), cnt_raw.min().view(1)])
             .cpu()
             .tolist()
         )
@@ -222,6 +225,15 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
         rows_cap_max = rows_cap
         slots_cap_max = Tm * K
         chunks_cap = _cdiv(Tm * K, CHUNK) + E
+        # Every rank sizes its buffers from its own bound, so a peer with a larger one (or more
+        # tokens than this rank's bound) would overflow them: raised here, before any write (a
+        # device-side assert on the GPU, as the id range check; no host sync).
+        torch._assert_async(
+            (rows_pad <= rows_cap).all() & (n_kept_all(cnt64) <= slots_cap_max).all(),
+            f"rank {rank}: the receive rows or a peer's assignments exceed the static sizing of "
+            f"max_tokens_per_rank={Tm}; it must be the same on every rank and bound every "
+            f"rank's tokens",
+        )
     tiles_cap = max(rows_cap // block_m, 1)
 
     # ---- source side: remote chunks (a dummy tail segment keeps output_size exact: no sync)

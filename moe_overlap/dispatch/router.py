@@ -123,9 +123,16 @@ def _bf16_pair(x_TH, w_EH) -> bool:
 
 def _logits(x_TH, w_EH) -> torch.Tensor:
     """fp32 logits without autograd (the two Functions below)."""
-    if _bf16_pair(x_TH, w_EH):
-        return _mm_f32(x_TH, w_EH.t())
-    return x_TH.float() @ w_EH.float().t()
+    with _no_autocast(x_TH):
+        if _bf16_pair(x_TH, w_EH):
+            return _mm_f32(x_TH, w_EH.t())
+        return x_TH.float() @ w_EH.float().t()
+
+
+def _no_autocast(x):
+    """The logits stay fp32 inside a caller's ``torch.autocast`` region, which would otherwise
+    run their GEMM in its low-precision dtype (and route on rounded logits)."""
+    return torch.autocast(x.device.type, enabled=False)
 
 
 class _Bf16Logits(torch.autograd.Function):
@@ -198,7 +205,8 @@ def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
     if x_TH.dtype == torch.bfloat16 and w_EH.dtype == torch.bfloat16:
         return _Bf16Logits.apply(x_TH, w_EH)
     cd = torch.float64 if torch.float64 in (x_TH.dtype, w_EH.dtype) else torch.float32
-    return x_TH.to(cd) @ w_EH.to(cd).t()
+    with _no_autocast(x_TH):
+        return x_TH.to(cd) @ w_EH.to(cd).t()
 
 
 def _stable_topk_desc(v: torch.Tensor, k: int) -> torch.Tensor:
