@@ -751,6 +751,19 @@ def test_fp16():
 
 
 @pytest.mark.parametrize("W", [1, 2])
+def test_bf16(W):
+    """bf16 in the interpreter (its bf16 ``tl.dot`` is fixed in ``kernels/launch.py``): every
+    kernel of the forward and backward against float64 on the same bf16 inputs."""
+    case = Case(W, (9, 5)[:W], 24, 20, 4, 3, "swiglu", True, "zipf", seed=11)
+    prob = make_problem(case, dtype=torch.bfloat16)
+    got = run_fused(prob)
+    check_against_reference(prob, got, dtype=torch.bfloat16)
+    for r in range(case.W):
+        assert got[r][0].dtype == torch.bfloat16
+        assert got[r][1]["w2"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("W", [1, 2])
 def test_tma_descriptor_path_and_pointer_path(W, monkeypatch):
     # 16-byte rows (H = 24, F = 20 in fp32) take the TMA descriptors: the weights k-contiguous
     # in the forward (layer 0's gate and up tiles in one 3-d box, mode 3; layer 1 mode 1),

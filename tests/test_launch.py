@@ -103,3 +103,25 @@ def test_warmup_leaves_flags_and_epoch_alone():
         w.end_op()
     assert int(w._epoch) == epoch, "a warm-up published a ready epoch"
     assert (again.local == 7).all(), "a warm-up reset flags an earlier op still waits on"
+
+
+def test_interpreter_bf16_dot_is_right():
+    """The interpreter multiplies bf16 tiles as raw uint16 bits (relative error ~1e10);
+    ``launch`` installs the fix that casts them to fp32 first, so bf16 runs right on the CPU."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dot(a_ptr, b_ptr, c_ptr, N: tl.constexpr):
+        r = tl.arange(0, N)
+        a = tl.load(a_ptr + r[:, None] * N + r[None, :])
+        b = tl.load(b_ptr + r[:, None] * N + r[None, :])
+        tl.store(c_ptr + r[:, None] * N + r[None, :], tl.dot(a, b))
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 16, generator=g).bfloat16()
+    b = torch.randn(16, 16, generator=g).bfloat16()
+    c = torch.full((16, 16), float("nan"))
+    kl.launch(_dot, (1,), a, b, c, N=16)
+    want = a.double() @ b.double()  # bf16 products are exact: only fp32 accumulation differs
+    assert torch.allclose(c.double(), want, rtol=1e-5, atol=1e-5), (c - want).abs().max()

@@ -169,6 +169,38 @@ def test_matmul_reduce_scatter_forward_backward(W, Ms, N, K, bias, grads):
             assert_close(gb, Bd[r].grad, dtype=F32, name=f"db rank {r}")
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_bf16(op):
+    """bf16 in the interpreter (its bf16 ``tl.dot`` is fixed in ``kernels/launch.py``)."""
+    W, Ms, N, K = 2, 5, 24, 40
+    gen = _gen("bf16", op)
+    xs = [_randn(gen, Ms if op == "ag" else W * Ms, K).bfloat16() for _ in range(W)]
+    ws = [_randn(gen, N, K, scale=1 / math.sqrt(K)).bfloat16() for _ in range(W)]
+    fused = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+
+    def fn(world):
+        x = xs[world.rank].clone().requires_grad_()
+        w = ws[world.rank].clone().requires_grad_()
+        y = fused(x, w, world)
+        y.float().square().sum().backward()
+        return y.detach(), x.grad, w.grad
+
+    outs = spawn(W, fn)
+    X = [x.double().requires_grad_() for x in xs]
+    Wd = [w.double().requires_grad_() for w in ws]
+    if op == "ag":
+        ys = [torch.cat(X) @ Wd[r].T for r in range(W)]
+    else:
+        full = sum(X[r] @ Wd[r].T for r in range(W))
+        ys = list(full.split(Ms))
+    sum(y.square().sum() for y in ys).backward()
+    for r, (y, gx, gw) in enumerate(outs):
+        assert y.dtype == torch.bfloat16
+        assert_close(y, ys[r], dtype=torch.bfloat16, name=f"y rank {r}")
+        assert_close(gx, X[r].grad, dtype=torch.bfloat16, name=f"dx rank {r}")
+        assert_close(gw, Wd[r].grad, dtype=torch.bfloat16, name=f"dw rank {r}")
+
+
 def test_reduce_scatter_is_deterministic():
     gen = _gen("det")
     W, M, N, K = 3, 9, 21, 40

@@ -4,7 +4,8 @@
 # (2026-12-04: grouped_mm itself moved 0.69-0.78 ms between calls), so a branch is judged
 # against main timed on the same machine, the trees alternating round by round.
 #
-# Prepare here (the copy is untracked, so it travels with the working tree; delete it after):
+# Prepare here (the copy is untracked, so it travels with the working tree; delete it after,
+# and the moe_overlap/kernels links this script makes in each tree):
 #   git archive --prefix=scratch/ws-layer1/ ws-layer1 | tar x
 # There:
 #   TREES="main=. ws=scratch/ws-layer1" ROUNDS=2 PYTEST_TREES=ws \
@@ -30,6 +31,15 @@ for t in ${TREES:?TREES=\"name=dir ...\"}; do
   [ -d "$dir/moe_overlap" ] || { echo "tree $name: no moe_overlap/ under $dir" >&2; exit 2; }
   DIR[$name]=$(cd "$dir" && pwd)
   NAMES+=("$name")
+  # The editable install maps moe_overlap.kernels to ITS tree's kernels/ (pyproject's
+  # package-dir), whatever PYTHONPATH says; a link inside the tree is found first.
+  [ -e "$dir/moe_overlap/kernels" ] || ln -s ../kernels "$dir/moe_overlap/kernels"
+  got=$(cd "$dir" && PYTHONPATH=$PWD python3 -c \
+    "import moe_overlap.kernels.launch as k, os; print(os.path.realpath(k.__file__))")
+  case "$got" in
+    "${DIR[$name]}"/*) ;;
+    *) echo "tree $name imports its kernels from ${got:-nowhere}" >&2; exit 2 ;;
+  esac
 done
 
 in_tree() {  # in_tree NAME LIMIT_S LOGFILE CMD...
