@@ -112,8 +112,18 @@ def record_error(err_ptr, rank, stage, index, expected, seen):
 
 
 @triton.jit
+def before(seen, target):
+    """``seen < target`` modulo the flag's width: the ready epoch is an int32 that wraps after
+    2^31 ops, and at the wrap a plain compare would let a stale ``INT32_MAX`` pass a target of
+    ``INT32_MIN`` (a producer writing into a destination not ready yet). Right while the two
+    are within 2^31 of each other, which every flag here is (counters restart each op)."""
+    return (seen - target).to(seen.dtype) < 0
+
+
+@triton.jit
 def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: tl.constexpr):
-    """Spin until ``*flag_ptr >= target`` (acquire) or the budget runs out.
+    """Spin until ``*flag_ptr >= target`` (acquire; modulo the flag's width, see ``before``) or
+    the budget runs out.
 
     Returns a scalar bool: True when the flag arrived. On timeout an error record names
     ``rank``, ``stage``, ``index``, ``target`` and the last value seen.
@@ -121,14 +131,14 @@ def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: t
     seen = load_acquire(flag_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0
-    while (seen < target) & (spent < budget):
+    while before(seen, target) & (spent < budget):
         seen = load_acquire(flag_ptr)
         if USE_TIMER:
             spent = now_ns(USE_TIMER) - start
         else:
             spent += 1
-    ok = seen >= target
-    if seen < target:
+    ok = (seen - target).to(seen.dtype) >= 0
+    if before(seen, target):
         record_error(err_ptr, rank, stage, index, target, seen)
     tl.debug_barrier()
     return ok

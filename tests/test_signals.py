@@ -73,13 +73,54 @@ def test_wait_on_a_flag_nobody_sets_raises_comm_timeout(monkeypatch):
     world.check()
 
 
-@pytest.mark.parametrize("value,target", [(1, 1), (7, 3), (2**31 - 1, 2**31 - 1)])
+@pytest.mark.parametrize(
+    "value,target",
+    [(1, 1), (7, 3), (2**31 - 1, 2**31 - 1), (-(2**31), 2**31 - 1), (-(2**31) + 5, 2**31 - 3)],
+)  # the last two: the int32 epoch has wrapped past the target
 def test_wait_on_a_set_flag_passes(value, target):
     world = local_world(device="cpu")
     flags = torch.tensor([value], dtype=torch.int32)
     assert wait(world, flags, target) == 1
     assert not world.error_buffer.any()
     world.check()
+
+
+def test_a_flag_before_the_wrap_does_not_pass_a_target_after_it():
+    """The ready epoch is an int32 that wraps: a peer still at ``INT32_MAX`` has not reached
+    ``INT32_MIN`` (a plain ``>=`` let producers write into a destination not ready yet)."""
+    world = local_world(device="cpu")
+    world.wait_budget = 3
+    assert wait(world, torch.tensor([2**31 - 1], dtype=torch.int32), -(2**31)) == 0
+    with pytest.raises(CommTimeoutError):
+        world.check()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_ops_across_the_epoch_wrap(op):
+    """Back-to-back TP ops while every rank's epoch wraps: right results, no false timeout."""
+    from moe_overlap.testing import spawn
+    from moe_overlap.tp import all_gather_matmul, matmul_reduce_scatter
+
+    W, Ms, N, K = 2, 4, 8, 8
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(Ms if op == "ag" else W * Ms, K, generator=g) for _ in range(W)]
+    ws = [torch.randn(N, K, generator=g) for _ in range(W)]
+    fused = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+
+    def fn(world):
+        world._epoch.fill_(2**31 - 2)
+        world.barrier()
+        ys = [fused(xs[world.rank], ws[world.rank], world) for _ in range(3)]
+        return int(world._epoch), ys
+
+    for r, (epoch, ys) in enumerate(spawn(W, fn)):
+        assert epoch == -(2**31) + 1  # wrapped
+        if op == "ag":
+            want = torch.cat(xs) @ ws[r].T
+        else:
+            want = sum(xs[q] @ ws[q].T for q in range(W)).split(Ms)[r]
+        for y in ys:
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
 def test_wait_budget_is_an_argument_too():
