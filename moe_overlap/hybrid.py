@@ -188,6 +188,39 @@ def shard_full_weight(
     return full
 
 
+# ----------------------------------------------------------------------------------- checks
+def _check_heads(H: int, n_heads, W: int) -> None:
+    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
+        raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
+    if H % n_heads or (H // n_heads) % 2:
+        raise ValueError(
+            f"hidden_size {H} must split into {n_heads} heads of even size (RoPE rotates pairs)"
+        )
+    if n_heads % W:
+        raise ValueError(f"n_heads ({n_heads}) must be divisible by the world size ({W})")
+
+
+def _check_rope(cos, sin, S: int, head_dim: int, x: torch.Tensor) -> None:
+    """``cos``/``sin`` ``[S, head_dim]`` in x's dtype and on its device (checked before the
+    attention's first GEMM launches; attention would reject a mismatch only after it)."""
+    if (cos is None) != (sin is None):
+        raise ValueError("pass both cos and sin, or neither")
+    for nm, t in (("cos", cos), ("sin", sin)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{nm} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (S, head_dim):
+            raise ValueError(
+                f"{nm} must be [S, head_dim] = [{S}, {head_dim}] (the full sequence), "
+                f"got {tuple(t.shape)}"
+            )
+        if t.dtype != x.dtype:
+            raise TypeError(f"{nm} dtype {t.dtype} differs from x's {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{nm} is on {t.device} but x is on {x.device}")
+
+
 # ----------------------------------------------------------------------------------- modules
 class TensorParallelAttention(nn.Module):
     """Causal self-attention with RoPE, heads split over the world, sequence-parallel in/out.
@@ -199,7 +232,10 @@ class TensorParallelAttention(nn.Module):
 
     def __init__(self, hidden_size: int, n_heads: int, world: World, dtype=None, device=None):
         super().__init__()
+        if not isinstance(world, World):
+            raise TypeError(f"world must be a moe_overlap World, got {type(world).__name__}")
         W = world.world_size
+        _check_heads(hidden_size, n_heads, W)
         self.world = world
         self.n_heads = n_heads
         self.n_local_heads = n_heads // W
@@ -211,8 +247,15 @@ class TensorParallelAttention(nn.Module):
 
     def forward(self, x_sBH: torch.Tensor, cos_Sd: torch.Tensor, sin_Sd: torch.Tensor):
         """``x [S/W, B, H]`` -> ``[S/W, B, H]``; ``cos``/``sin`` ``[S, head_dim]`` (full S)."""
+        H = self.n_heads * self.head_dim
+        if not isinstance(x_sBH, torch.Tensor) or x_sBH.dim() != 3 or x_sBH.shape[-1] != H:
+            got = tuple(x_sBH.shape) if isinstance(x_sBH, torch.Tensor) else type(x_sBH).__name__
+            raise ValueError(f"x must be this rank's sequence shard [S/W, B, {H}], got {got}")
         s, B, _ = x_sBH.shape
         S = s * self.world.world_size
+        if cos_Sd is None or sin_Sd is None:
+            raise ValueError("TensorParallelAttention needs cos and sin [S, head_dim]")
+        _check_rope(cos_Sd, sin_Sd, S, self.head_dim, x_sBH)
         nl, hd = self.n_local_heads, self.head_dim
         qkv = self.wqkv(x_sBH)  # [S, B, 3H/W]: every position, this rank's heads
         qkv = qkv.view(S, B, 3, nl, hd).permute(2, 1, 3, 0, 4)  # [3, B, nl, S, hd]
@@ -281,14 +324,7 @@ class HybridBlock(nn.Module):
         if not isinstance(world, World):
             raise TypeError(f"world must be a moe_overlap World, got {type(world).__name__}")
         H, W = moe_cfg.hidden_size, world.world_size
-        if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads < 1:
-            raise ValueError(f"n_heads must be a positive int, got {n_heads!r}")
-        if H % n_heads or (H // n_heads) % 2:
-            raise ValueError(
-                f"hidden_size {H} must split into {n_heads} heads of even size (RoPE rotates pairs)"
-            )
-        if n_heads % W:
-            raise ValueError(f"n_heads ({n_heads}) must be divisible by the world size ({W})")
+        _check_heads(H, n_heads, W)
         if moe_cfg.capacity_factor is not None:
             raise ValueError(
                 "HybridBlock needs dropless routing (moe_cfg.capacity_factor=None): capacity "
@@ -391,15 +427,7 @@ class HybridBlock(nn.Module):
             raise TypeError(f"x dtype {x.dtype} differs from the block's {dt}")
         if x.device != self.world.device:
             raise ValueError(f"x is on {x.device} but the block's world is on {self.world.device}")
-        S = x.shape[0] * W
-        for nm, t in (("cos", cos), ("sin", sin)):
-            if t is not None and tuple(t.shape) != (S, self.head_dim):
-                raise ValueError(
-                    f"{nm} must be [S, head_dim] = [{S}, {self.head_dim}] (the full sequence), "
-                    f"got {tuple(t.shape)}"
-                )
-        if (cos is None) != (sin is None):
-            raise ValueError("pass both cos and sin, or neither")
+        _check_rope(cos, sin, x.shape[0] * W, self.head_dim, x)
 
     def forward(self, x_sBH: torch.Tensor, cos_Sd=None, sin_Sd=None) -> torch.Tensor:
         """``x [S/W, B, H]`` (rank r holds positions ``[r*S/W, (r+1)*S/W)``) -> same shape.

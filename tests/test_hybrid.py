@@ -286,6 +286,34 @@ def test_bad_forward_input():
         blk(torch.randn(4, 2, H), cos, cos)
     with pytest.raises(ValueError, match="both cos and sin"):
         blk(torch.randn(4, 2, H), torch.ones(4, H // 2), None)
+    # a float64 RoPE table on an fp32 block: raised before the attention's first GEMM (SDPA
+    # used to reject it after the fused all_gather_matmul had run)
+    cos64 = torch.ones(4, H // 2, dtype=torch.float64)
+    with pytest.raises(TypeError, match="cos dtype"):
+        blk(torch.randn(4, 2, H), cos64, cos64)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        blk(torch.randn(4, 2, H), [[1.0]], [[1.0]])
+
+
+def test_tensor_parallel_attention_bad_input():
+    from moe_overlap.hybrid import TensorParallelAttention
+
+    def build(world):
+        with pytest.raises(ValueError, match="divisible by the world size"):
+            TensorParallelAttention(12, 3, world)
+        with pytest.raises(ValueError, match="even size"):
+            TensorParallelAttention(12, 4, world)  # head dim 3
+        attn = TensorParallelAttention(16, 2, world)
+        x = torch.randn(2, 1, 16)
+        with pytest.raises(ValueError, match="needs cos and sin"):
+            attn(x, None, None)
+        with pytest.raises(ValueError, match=r"\[S/W, B, 16\]"):
+            attn(torch.randn(2, 16), None, None)
+        with pytest.raises(ValueError, match="cos must be"):
+            attn(x, torch.ones(3, 8), torch.ones(3, 8))
+        return True
+
+    assert all(spawn(2, build))
 
 
 def test_reference_matches_moe_reference_on_identity_attention():

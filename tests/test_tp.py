@@ -479,6 +479,17 @@ def test_tensor_parallel_mlp_without_sequence_parallel():
         assert_close(gb2, B2.grad, dtype=F32)
 
 
+def test_layers_built_without_a_world_share_the_default_one():
+    """TP linears and MoE layers built without a world take one process-wide world (one
+    workspace), not one each."""
+    from moe_overlap import MoEConfig, MoELayer
+    from moe_overlap.world import default_world
+
+    col, row = ColumnParallelLinear(16, 16), RowParallelLinear(16, 16)
+    moe = MoELayer(MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2))
+    assert col.world is row.world is moe.world is default_world()
+
+
 def test_parallel_linear_construction_and_errors():
     def fn(world):
         with pytest.raises(ValueError, match="out_features 5"):

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..world import World
+from ..world import World, default_world
 from .ops import all_gather_matmul, matmul_reduce_scatter
 
 __all__ = [
@@ -44,19 +44,13 @@ __all__ = [
     "sync_sequence_parallel_grads",
 ]
 
-_DEFAULT_WORLD: World | None = None
-
 
 def _resolve_world(world):
-    """``world`` or one process-wide default from ``moe_overlap.init_world()`` (shared, so
-    layers built without a world share one workspace)."""
-    global _DEFAULT_WORLD
+    """``world`` or the process's default world (``moe_overlap.world.default_world``, the one
+    ``MoELayer`` and ``fused_experts`` take too: one workspace for every layer built without a
+    world; a second ``init_world()`` would allocate another, or fail under nvshmem)."""
     if world is None:
-        if _DEFAULT_WORLD is None:
-            from .. import init_world
-
-            _DEFAULT_WORLD = init_world()
-        return _DEFAULT_WORLD
+        return default_world()
     if not isinstance(world, World):
         raise TypeError(f"world must be a moe_overlap World or None, got {type(world).__name__}")
     return world
