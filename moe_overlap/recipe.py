@@ -778,7 +778,12 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
                 m.copy_(state["model"][n])
                 if m is not p:
                     p.copy_(m)
+        # load_state_dict restores the saved lr / weight decay: this run's flags win (the
+        # checkpoint it writes records them), so --resume --lr X means X.
+        flags = [{k: g[k] for k in ("lr", "weight_decay")} for g in opt.param_groups]
         opt.load_state_dict(state["optim"])
+        for g, f in zip(opt.param_groups, flags):
+            g.update(f)
         gen.set_state(ckpt["data_rng"])
         hist = {k: list(v) for k, v in ckpt["history"].items()}
         start = ckpt["step"]

@@ -555,6 +555,64 @@ def test_deepspeed_baseline_matches(tmp_path):
     assert r.returncode == 0 and "DEEPSPEED-OK" in r.stdout, r.stderr[-3000:]
 
 
+_TORCHRUN_MERGE_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+import torch.multiprocessing as mp
+
+def main(rank, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from moe_overlap.bench import harness as Hn, presets as P
+    from moe_overlap.world import local_world
+    from moe_overlap.world.dist_collectives import DistCollectives
+
+    spec = Hn.RunSpec(op="layer1", shape=P.get_moe_shape("tiny"), dtype=torch.float32,
+                      device=torch.device("cpu"), world_size=2, baselines=["grouped_mm"],
+                      candidates=[], warmup=("n", 1), rep=("n", 2), rounds=1, check=False)
+    one = Hn.run_rank(local_world("cpu"), spec)  # a real result; made rank-specific below
+    one["rank"] = rank
+    st = one["status"]["grouped_mm"]
+    st["flops"] = 1000.0 * (rank + 1)  # uneven routing: rank 1 holds twice rank 0's rows
+    st["rel_err"] = {"torchtitan": 0.5 if rank == 1 else 1e-7}  # only rank 1 is wrong
+    Hn.run_rank = lambda world, spec: one
+
+    class Procs(DistCollectives):  # what a torch_symm / nvshmem world is to the harness
+        world_size, group = 2, dist.group.WORLD
+
+    w = Procs()
+    w.rank = rank
+    assert Hn._is_dist(w)
+    out = Hn.run(spec, world=w)
+    case = {c["name"]: c for c in out["cases"]}["grouped_mm"]
+    assert case["flops"] == 3000.0, case  # both ranks' rows (rank 0's alone, scaled: 2000)
+    assert case["rel_err"]["torchtitan"] == 0.5, case  # rank 1's check is not dropped
+    assert out["world"] == "torchrun"
+    dist.destroy_process_group()
+    if rank == 0:
+        print("MERGE-OK")
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+def test_torchrun_results_merge_every_rank(tmp_path):
+    """Under torchrun each process holds only its own rank's result: FLOPs (uneven routing)
+    and every rank's correctness check must come from all of them, not rank 0 alone."""
+    script = tmp_path / "merge.py"
+    script.write_text(_TORCHRUN_MERGE_SCRIPT)
+    port = str(30500 + os.getpid() % 1000)
+    r = subprocess.run(
+        [sys.executable, str(script), port],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+    )
+    assert r.returncode == 0 and "MERGE-OK" in r.stdout, r.stderr[-3000:]
+
+
 def test_measure_interleaved_rotates_splits_and_drops_failures():
     """Rounds give every case its share of the calls, the order rotating; the counts add up
     to the requested ones; input sets keep rotating; a case that raises is dropped."""

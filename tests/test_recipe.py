@@ -232,6 +232,19 @@ def test_resume_continues_the_curve_through_the_cli(run_w2, tmp_path, capsys):
         train(TINY, _tcfg(world_size=2, resume=True, out=str(tmp_path / "nothing")))
 
 
+def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
+    """``--resume --lr X`` trains at X (the optimizer's saved state used to win silently while
+    the new checkpoint recorded X)."""
+    kw = dict(world_size=1, out=str(tmp_path), save=True)
+    train(TINY, _tcfg(steps=1, lr=0.01, weight_decay=0.01, **kw))
+    train(TINY, _tcfg(steps=2, lr=0.5, weight_decay=0.3, resume=True, **kw))
+    ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    groups = ck["ranks"][0]["optim"]["param_groups"]
+    assert {g["lr"] for g in groups} == {0.5}
+    assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.3]
+    assert ck["train_config"]["lr"] == 0.5
+
+
 def test_sharded_start_equals_global_weights():
     """Every rank starts from the one-seed global model: experts sliced, the rest whole."""
     weights = init_global_weights(TINY, seed=7)

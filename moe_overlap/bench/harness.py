@@ -738,7 +738,20 @@ def _kept_rows(problem, world):
 
 
 def _is_dist(world) -> bool:
-    return getattr(world, "backend", "") == "torch_symm" and world.world_size > 1
+    """A world of several processes (torch_symm on one node, nvshmem across nodes)."""
+    from ..world.dist_collectives import DistCollectives
+
+    return isinstance(world, DistCollectives) and world.world_size > 1
+
+
+def _gather_rank_results(world, result: dict) -> list:
+    """Every process's ``run_rank`` result, in rank order (each process of a torchrun job
+    holds only its own: FLOPs, errors and kept rows of the other ranks would be missing)."""
+    import torch.distributed as dist
+
+    out = [None] * world.world_size
+    dist.all_gather_object(out, result, group=world.group)
+    return out
 
 
 # ------------------------------------------------------------------------------ all ranks
@@ -880,6 +893,8 @@ def run(spec: RunSpec, world=None) -> dict:
     emulated_cuda = False
     if world is not None:
         rank_results = [run_rank(world, spec)]
+        if _is_dist(world):
+            rank_results = _gather_rank_results(world, rank_results[0])
     elif spec.world_size == 1:
         from ..world import local_world
 
