@@ -1019,9 +1019,14 @@ def _moe_deepspeed(p: MoEProblem, world) -> Case:
     if dist.get_world_size() != world.world_size:
         raise Unavailable("deepspeed's MoE needs one process per rank")
     try:
+        import deepspeed
         from deepspeed.moe.layer import MoE as DSMoE
     except Exception as e:  # noqa: BLE001 - deepspeed broken
         raise Unavailable(f"deepspeed does not import: {type(e).__name__}: {e}") from e
+    # DeepSpeed's collectives go through its own comm module, set up by init_distributed (it
+    # adopts the existing process group); without it the first all-to-all finds no backend.
+    if world.world_size > 1:
+        deepspeed.init_distributed(dist_backend=dist.get_backend())
 
     class _Expert(torch.nn.Module):
         def __init__(self, w1, w2):
@@ -1043,6 +1048,10 @@ def _moe_deepspeed(p: MoEProblem, world) -> Case:
             use_rts=False,
             top2_2nd_expert_sampling=False,
         ).to(p.device)
+        # The expert-parallel group (deepspeed.initialize would make it): without it each rank
+        # sizes its dropless all-to-all from its own tokens and the collective aborts.
+        if world.world_size > 1:
+            layer.set_deepspeed_parallelism()
         layer.eval()
         experts = layer.deepspeed_moe.experts.deepspeed_experts
         with torch.no_grad():
