@@ -855,8 +855,10 @@ def test_layer0_layer1_api_equals_fused_experts():
         lv = local_leaves(prob, r, ())
         poison_workspace(world)
         layout = fused.dispatch_layout(prob.ids[r], case.E, world)
-        h = fused.layer0(lv["x"], layout, lv["w1"], world, case.act, b1=lv["b1"])
-        y = fused.layer1(h, layout, lv["topk_weights"], lv["w2"], world, b2=lv["b2"])
+        # column-major biases (same values): the kernels read bias rows densely
+        b1, b2 = (b.t().contiguous().t() for b in (lv["b1"], lv["b2"]))
+        h = fused.layer0(lv["x"], layout, lv["w1"], world, case.act, b1=b1)
+        y = fused.layer1(h, layout, lv["topk_weights"], lv["w2"], world, b2=b2)
         return y, call(lv, prob.ids[r], world, case.act)
 
     ys, _, _ = run_reference(prob)

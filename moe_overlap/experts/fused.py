@@ -961,7 +961,7 @@ def _fwd_layer0(x, layout, w1, world, activation, b1, ws, save_gu=False, trace=N
         w1,
         world,
         activation,
-        bias=b1,
+        bias=None if b1 is None else b1.contiguous(),  # the kernels read bias rows densely
         save_gu=save_gu,
         n_out=F,
         stride_wn=w1.stride(1),
@@ -980,7 +980,7 @@ def _fwd_layer1(h, layout, wflat, w2, world, b2, row_slot, ws, save_o=False, tra
         layout,
         w2,
         world,
-        b2,
+        None if b2 is None else b2.contiguous(),
         wflat,
         row_slot,
         ws,
@@ -1386,14 +1386,16 @@ def fused_experts(
     if torch.compiler.is_compiling():
         from .ops import fused_experts_op
 
+        # Dense inputs, as the eager path passes: inductor pins a custom op's input strides
+        # to those it traced, and a transposed view it saved can come back re-laid out.
         return fused_experts_op(
-            x,
-            topk_ids,
-            topk_weights,
-            w1,
-            w2,
-            b1,
-            b2,
+            x.contiguous(),
+            topk_ids.contiguous(),
+            topk_weights.contiguous(),
+            w1.contiguous(),
+            w2.contiguous(),
+            None if b1 is None else b1.contiguous(),
+            None if b2 is None else b2.contiguous(),
             world.name,
             activation,
             int(max_tokens_per_rank or 0),

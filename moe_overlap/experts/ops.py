@@ -79,26 +79,29 @@ def fused_experts_backward_op(
     dx, dw, d1, d2, db1, db2 = fused._backward_impl(
         dy, saved, topk_weights, w1, w2, b1, b2, world, layout, activation, x.dtype
     )
-    # Two distinct empties: outputs of a custom op may not alias each other.
+    # Two distinct empties: outputs of a custom op may not alias each other. Contiguous, as
+    # the fake below says (dx follows x's layout otherwise).
     return [
-        dx,
-        dw,
-        d1,
-        d2,
-        x.new_empty(0) if db1 is None else db1,
-        x.new_empty(0) if db2 is None else db2,
+        dx.contiguous(),
+        dw.contiguous(),
+        d1.contiguous(),
+        d2.contiguous(),
+        x.new_empty(0) if db1 is None else db1.contiguous(),
+        x.new_empty(0) if db2 is None else db2.contiguous(),
     ]
 
 
 @fused_experts_backward_op.register_fake
 def _(dy, x, topk_ids, topk_weights, w1, w2, b1, b2, world_name, activation, max_tokens_per_rank):
+    # Contiguous, as the real op's gradients are (empty_like would keep a transposed input's
+    # strides, and inductor checks the real outputs against these).
     return [
-        torch.empty_like(x),
-        torch.empty_like(topk_weights),
-        torch.empty_like(w1),
-        torch.empty_like(w2),
-        x.new_empty(0) if b1 is None else torch.empty_like(b1),
-        x.new_empty(0) if b2 is None else torch.empty_like(b2),
+        x.new_empty(x.shape),
+        topk_weights.new_empty(topk_weights.shape),
+        w1.new_empty(w1.shape),
+        w2.new_empty(w2.shape),
+        x.new_empty(0) if b1 is None else b1.new_empty(b1.shape),
+        x.new_empty(0) if b2 is None else b2.new_empty(b2.shape),
     ]
 
 
