@@ -429,6 +429,29 @@ def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
     assert not fused._ws_common_ok(a, w1, lay, world, "swiglu")
 
 
+@pytest.mark.parametrize(
+    "var",
+    [
+        "MOE_OVERLAP_L0_CONFIG",
+        "MOE_OVERLAP_L0B_CONFIG",
+        "MOE_OVERLAP_L1_CONFIG",
+        "MOE_OVERLAP_WGRAD_CONFIG",
+    ],
+)
+@pytest.mark.parametrize("env,what", [
+    ("16,16,16,4,1,0", "GROUP_M"),  # divided by zero in the tile order: garbage, no error
+    ("24,16,16,4,1", "BM"), ("0,16,16,4,1", "BM"), ("16,16,8,4,1", "BK"),
+    ("16,16,16,3,1", "warps"), ("16,16,16,4,0", "stages"),
+    ("16,16,16,4,1,", "integers"), ("16,16,16", "expected"),
+])  # fmt: skip
+def test_bad_block_config_is_rejected(var, env, what, monkeypatch):
+    monkeypatch.setenv(var, env)
+    with pytest.raises(ValueError, match=f"{var}.*{what}"):
+        fused._env_cfg(var)
+    monkeypatch.setenv(var, "16,16,16,4,1,1")
+    assert fused._env_cfg(var)["GM"] == 1
+
+
 @pytest.mark.parametrize("env", ["32,128", "32,100,4", "a,b,c", "0,128,4"])
 def test_bad_combine_config_is_rejected(env, monkeypatch):
     monkeypatch.setattr(fused, "interpreted", lambda: False)  # the knob is for the GPU
@@ -845,6 +868,48 @@ def test_default_world_is_a_local_world():
     assert_close(y_default, run_reference(prob)[0][0])
 
 
+def test_no_grad_runs_the_inference_forward(monkeypatch):
+    """Under ``torch.no_grad`` with trainable weights: no saved pre-activations or gathered
+    rows (the autograd Function saw ``needs_input_grad`` and ran the training forward), and
+    the same output as with grad."""
+    seen = []
+    real = fused._forward_body
+
+    def spy(*a):
+        seen.append(a[-1])
+        return real(*a)
+
+    monkeypatch.setattr(fused, "_forward_body", spy)
+    g = torch.Generator().manual_seed(4)
+    T, H, F, E, K = 6, 16, 8, 4, 2
+    x = torch.randn(T, H, generator=g)
+    ids = torch.randint(E, (T, K), generator=g)
+    w = torch.rand(T, K, generator=g)
+    w1 = (torch.randn(E, 2 * F, H, generator=g) * 0.25).requires_grad_()
+    w2 = (torch.randn(E, H, F, generator=g) * 0.3).requires_grad_()
+    world = local_world("cpu")
+    with torch.no_grad():
+        y0 = mo.fused_experts(x, ids, w, w1, w2, world)
+    assert seen == [False] and not y0.requires_grad
+    y1 = mo.fused_experts(x, ids, w, w1, w2, world)
+    assert seen == [False, True] and y1.requires_grad
+    assert torch.equal(y0, y1.detach())
+
+
+def test_double_backward_raises():
+    """The kernels' gradients carry no graph: a second-order gradient must raise, not come
+    back without the experts' terms."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 16, generator=g, requires_grad=True)
+    ids = torch.randint(4, (6, 2), generator=g)
+    w1 = (torch.randn(4, 16, 16, generator=g) * 0.25).requires_grad_()
+    w2 = torch.randn(4, 16, 8, generator=g) * 0.3
+    y = mo.fused_experts(x, ids, torch.rand(6, 2, generator=g), w1, w2, local_world("cpu"))
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.square().sum().backward()  # a gradient penalty
+
+
 def test_layer0_layer1_api_equals_fused_experts():
     # The benchmark entry points, also used by the GPU test that delays producers per layer.
     case = Case(3, (6, 2, 5), 24, 20, 6, 2, "swiglu", True, "drop", seed=7)
@@ -943,6 +1008,8 @@ BAD = [
     ("w1 dtype", dict(w1=torch.randn(El0, 2 * F0, H0, dtype=torch.float16)), TypeError, "w1"),
     ("w2 int", dict(w2=torch.ones(El0, H0, F0, dtype=torch.int64)), TypeError, "w2"),
     ("ids float", dict(topk_ids=torch.zeros(T0, K0)), TypeError, "topk_ids"),
+    # unsigned ids cannot say -1, and their range check wraps (valid uint8 ids were refused)
+    ("ids uint8", dict(topk_ids=torch.zeros(T0, K0, dtype=torch.uint8)), TypeError, "signed"),
     ("ids rows", dict(topk_ids=torch.zeros(T0 + 1, K0, dtype=torch.long)), ValueError, "topk_ids"),
     (
         "ids no columns",

@@ -27,7 +27,7 @@ def test_tune_times_the_triton_kernels_and_restores_the_environment(monkeypatch)
     seen = []
 
     def fake(op, shape, dtype, world):
-        seen.append((os.environ.get("MOE_OVERLAP_L0_WS"), os.environ.get("MOE_OVERLAP_DACT_WS")))
+        seen.append((tuning.getenv("MOE_OVERLAP_L0_WS"), tuning.getenv("MOE_OVERLAP_DACT_WS")))
         return {}
 
     monkeypatch.setattr(tuning, "_tune", fake)
@@ -36,6 +36,7 @@ def test_tune_times_the_triton_kernels_and_restores_the_environment(monkeypatch)
     tuning.tune("moe", {}, torch.bfloat16, None)
     assert seen == [("0", "0")]
     assert os.environ["MOE_OVERLAP_L0_WS"] == "1" and "MOE_OVERLAP_DACT_WS" not in os.environ
+    assert tuning.getenv("MOE_OVERLAP_L0_WS") == "1"
 
 
 def test_pinned_backward_dispatch_config_is_used(monkeypatch):
@@ -93,6 +94,31 @@ def test_pinned_lookup_matches_shape_and_ignores_tokens(tmp_path, monkeypatch):
         tuning._table_entries.cache_clear()
 
 
+def test_no_pinned_switch_is_read_at_every_call(tmp_path, monkeypatch):
+    """``MOE_OVERLAP_NO_PINNED=1`` turns the table off even after a shape was looked up (the
+    switch sat inside the cached lookup)."""
+    cfg = {"BM": 64, "BN": 128, "BK": 64, "num_warps": 4, "num_stages": 4}
+    entry = {"device": "NVIDIA H200", "op": "moe", "dtype": "bf16", "world_size": 1,
+             "shape": {"tokens": 16, "hidden": 64, "ffn": 32, "experts": 4, "topk": 2},
+             "config": {"l0": cfg, "l1": cfg}}  # fmt: skip
+    path = tmp_path / "configs.json"
+    path.write_text(json.dumps({"version": 1, "note": "", "entries": [entry]}))
+    monkeypatch.setenv("MOE_OVERLAP_CONFIGS", str(path))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    tuning._table_entries.cache_clear()
+    tuning._pinned.cache_clear()
+    try:
+        args = (torch.device("cuda", 0), torch.bfloat16, 64, 32, 4, 2)
+        assert tuning.pinned(*args)["l0"]["BM"] == 64
+        monkeypatch.setenv("MOE_OVERLAP_NO_PINNED", "1")
+        assert tuning.pinned(*args) is None
+        monkeypatch.delenv("MOE_OVERLAP_NO_PINNED")
+        assert tuning.pinned(*args)["l0"]["BM"] == 64
+    finally:
+        tuning._table_entries.cache_clear()
+        tuning._pinned.cache_clear()
+
+
 def test_env_config_takes_group_m_and_rejects_bad_lengths(monkeypatch):
     from moe_overlap.experts import fused
 
@@ -120,3 +146,33 @@ def test_pinned_swiglu_config_does_not_leak_into_plain_gemms(monkeypatch):
     assert fused.layer0_config("swiglu", 2, pin) == pin["l0"]
     plain = fused.layer0_config("plain", 2, pin)
     assert plain["BM"] == 64 and plain["BN"] == 256 and "GM" not in plain
+
+
+def test_tune_on_emulated_ranks_keeps_its_switches_per_thread(monkeypatch):
+    """``tune`` runs on every emulated rank as a thread at once: its switches hold on every
+    rank while it times, never leak into the process's environment, and every rank returns
+    the same choice (each candidate's slowest rank decides)."""
+    import os
+    import threading
+
+    from moe_overlap.experts import fused
+    from moe_overlap.testing import spawn
+
+    seen = []
+    real = fused._bwd_dispatch
+
+    def spy(*a, **k):
+        seen.append((threading.current_thread().name, tuning.getenv("MOE_OVERLAP_DACT_WS")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(fused, "_bwd_dispatch", spy)
+    monkeypatch.delenv("MOE_OVERLAP_DACT_WS", raising=False)
+    monkeypatch.delenv("MOE_OVERLAP_L0_WS", raising=False)
+    shape = dict(tokens=8, hidden=16, ffn=8, experts=4, topk=2)
+    for _ in range(3):
+        seen.clear()
+        outs = spawn(2, lambda w: tuning.tune("moe", shape, torch.float32, w))
+        assert seen and all(v == "0" for _, v in seen), seen
+        assert "MOE_OVERLAP_DACT_WS" not in os.environ and "MOE_OVERLAP_L0_WS" not in os.environ
+        assert outs[0]["ms"] == outs[1]["ms"] and outs[0]["l0"] == outs[1]["l0"]
+    assert tuning.getenv("MOE_OVERLAP_DACT_WS") is None

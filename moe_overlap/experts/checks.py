@@ -8,6 +8,8 @@ import torch
 
 from ..config import ACTIVATIONS
 
+_SIGNED_INTS = (torch.int8, torch.int16, torch.int32, torch.int64)
+
 
 def check_expert_args(x, topk_ids, topk_weights, w1, w2, activation, b1=None, b2=None, world=None):
     """Validate the experts' arguments; returns ``(T, H, F, El, K)``.
@@ -32,8 +34,9 @@ def check_expert_args(x, topk_ids, topk_weights, w1, w2, activation, b1=None, b2
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {tuple(x.shape)}")
     T, H = x.shape
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool or topk_ids.is_complex():
-        raise TypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if topk_ids.dtype not in _SIGNED_INTS:
+        # unsigned ids cannot hold -1 (dropped), and their range checks wrap (uint8 -1 is 255)
+        raise TypeError(f"topk_ids must be a signed integer tensor, got {topk_ids.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.shape[1] < 1:
         raise ValueError(f"topk_ids must be [T={T}, K >= 1], got {tuple(topk_ids.shape)}")
     K = topk_ids.shape[1]

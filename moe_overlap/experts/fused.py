@@ -42,6 +42,7 @@ import os
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..dispatch.layout import CHUNK, Layout, build_layout
 from ..kernels import moe_wgrad
@@ -62,12 +63,25 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 # ------------------------------------------------------------------------------- configs
 def _env_cfg(name):
-    v = os.environ.get(name)
+    v = tuning.getenv(name)
     if not v:
         return None
-    parts = [int(p) for p in v.split(",")]
+    want = "BM,BN,BK,warps,stages[,GROUP_M[,EPI]]"
+    try:
+        parts = [int(p) for p in v.split(",")]
+    except ValueError:
+        raise ValueError(f"{name}={v!r}: expected integers {want}") from None
     if len(parts) not in (5, 6, 7):
-        raise ValueError(f"{name}={v!r}: expected BM,BN,BK,warps,stages[,GROUP_M[,EPI]]")
+        raise ValueError(f"{name}={v!r}: expected {want}")
+    # Checked here, not by the compiler: GROUP_M 0 divides by zero in the tile order (garbage,
+    # no error), a block that is not a power of two fails deep in Triton.
+    for what, b in zip(("BM", "BN", "BK"), parts):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"{name}={v!r}: {what} must be a power of two >= 16, got {b}")
+    if parts[3] not in (1, 2, 4, 8, 16) or parts[4] < 1:
+        raise ValueError(f"{name}={v!r}: warps must be 1, 2, 4, 8 or 16 and stages >= 1")
+    if len(parts) >= 6 and parts[5] < 1:
+        raise ValueError(f"{name}={v!r}: GROUP_M must be >= 1, got {parts[5]}")
     cfg = dict(BM=parts[0], BN=parts[1], BK=parts[2], num_warps=parts[3], num_stages=parts[4])
     if len(parts) >= 6:
         cfg["GM"] = parts[5]
@@ -1115,7 +1129,7 @@ def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) ->
     """Whether layer 0's forward takes the warp-specialized Gluon kernel: what
     :func:`_ws_common_ok` says, no bias, no trace (its tiles record no timeline), int32-safe
     offsets. ``MOE_OVERLAP_L0_WS=0`` keeps the Triton kernel."""
-    if os.environ.get("MOE_OVERLAP_L0_WS") == "0" or bias is not None or trace is not None:
+    if tuning.getenv("MOE_OVERLAP_L0_WS") == "0" or bias is not None or trace is not None:
         return False
     if not _ws_common_ok(x, w1, layout, world, act) or w1.dim() != 3:
         return False
@@ -1130,7 +1144,7 @@ def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> b
     """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: what
     :func:`_ws_common_ok` says, the rows already gathered (its A operand comes by TMA), int32-safe
     offsets. ``MOE_OVERLAP_DACT_WS=0`` keeps the Triton kernel (A/B runs)."""
-    if os.environ.get("MOE_OVERLAP_DACT_WS") == "0" or a_rows is None:
+    if tuning.getenv("MOE_OVERLAP_DACT_WS") == "0" or a_rows is None:
         return False
     if not _ws_common_ok(a_rows, w2, layout, world, act):
         return False
@@ -1307,6 +1321,7 @@ class _FusedExpertsFn(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients carry no graph: a double backward must raise
     def backward(ctx, dy):
         topk_weights, w1, w2, b1, b2, *rest = ctx.saved_tensors
         saved = dict(zip(ctx.saved_keys, rest))
@@ -1402,6 +1417,15 @@ def fused_experts(
         )
     pinned = tuning.pinned(world.device, x.dtype, H, F, E, K)
     layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank, pinned)
+    if not torch.is_grad_enabled():
+        # Inference under no_grad: the Function would see needs_input_grad (the weights
+        # require grad) and run the training forward (rows gathered, gate/up saved) for nothing.
+        b1c = b1.contiguous() if b1 is not None else None
+        b2c = b2.contiguous() if b2 is not None else None
+        y, _ = _forward_impl(
+            x.contiguous(), topk_weights, w1, w2, b1c, b2c, world, layout, activation, False
+        )
+        return y
     return _FusedExpertsFn.apply(
         x.contiguous(),
         topk_weights,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import torch
 
@@ -72,12 +73,16 @@ def _table_entries(device_name: str, dtype: str):
     return tuple(keep)
 
 
-@functools.lru_cache(maxsize=256)
 def pinned(device: torch.device, dtype: torch.dtype, H: int, F: int, E: int, K: int):
-    """The pinned joint config ``{"l0": {...}, "l1": {...}}`` for this shape, or None (cached:
-    this runs on every forward)."""
+    """The pinned joint config ``{"l0": {...}, "l1": {...}}`` for this shape, or None
+    (``MOE_OVERLAP_NO_PINNED=1``: None; read at every call, the table lookup is cached)."""
     if device.type != "cuda" or os.environ.get("MOE_OVERLAP_NO_PINNED") == "1":
         return None
+    return _pinned(device, dtype, H, F, E, K)
+
+
+@functools.lru_cache(maxsize=256)
+def _pinned(device: torch.device, dtype: torch.dtype, H: int, F: int, E: int, K: int):
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype)
     name = torch.cuda.get_device_name(device)
     for e in _table_entries(name, short):
@@ -96,18 +101,29 @@ def _as_cfg(c):
     return cfg
 
 
+_THREAD = threading.local()
+
+
+def getenv(name: str):
+    """``os.environ.get(name)``, under this thread's :func:`_env` overrides: the switches and
+    block configs ``tune`` varies are read through this. Emulated ranks are threads of one
+    process timing candidates at once; edits of ``os.environ`` itself raced (one rank's
+    restore unset what another was timing under, and a switch could stay set afterwards)."""
+    over = getattr(_THREAD, "env", None)
+    if over is not None and name in over:
+        return over[name]
+    return os.environ.get(name)
+
+
 @contextlib.contextmanager
 def _env(**kv):
-    old = {k: os.environ.get(k) for k in kv}
-    os.environ.update(kv)
+    """This thread's overrides of :func:`getenv` for the block (nested blocks stack)."""
+    prev = getattr(_THREAD, "env", None)
+    _THREAD.env = {**(prev or {}), **kv}
     try:
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _THREAD.env = prev
 
 
 def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
@@ -120,6 +136,32 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     configs of their own) are off while it times."""
     with _env(MOE_OVERLAP_L0_WS="0", MOE_OVERLAP_DACT_WS="0"):
         return _tune(op, shape, dtype, world)
+
+
+def _timed_fixed(fn, warmup: int, rep: int) -> float:
+    """Median ms of ``rep`` calls after ``warmup`` (CUDA events), fixed counts."""
+    for _ in range(warmup):
+        fn()
+    ev = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(rep)
+    ]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    ms = sorted(a.elapsed_time(b) for a, b in ev)
+    return ms[len(ms) // 2]
+
+
+def _agree(world, times: dict) -> dict:
+    """Each candidate's time on its slowest rank (the same dict on every rank)."""
+    if world.world_size == 1 or not times:
+        return times
+    keys = sorted(times)
+    per_rank = world.all_gather_ints([round(times[k] * 1e6) for k in keys])
+    return {k: max(r[i] for r in per_rank) / 1e6 for i, k in enumerate(keys)}
 
 
 def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
@@ -139,6 +181,10 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     w2 = (torch.randn(El, H, F, generator=g) * 0.02).to(dev, dtype)
 
     def timed(fn):
+        if dev.type == "cuda" and world.world_size > 1:
+            # The ops are collective: every rank must call them equally often, and do_bench
+            # sizes its loops from each rank's own first runs.
+            return _timed_fixed(fn, warmup=3, rep=10)
         if dev.type == "cuda":
             import triton.testing
 
@@ -177,6 +223,9 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             layout = fused.dispatch_layout(ids, E, world)
             h = fused.layer0(x, layout, w1, world)
             t1s[c1] = timed(lambda layout=layout, h=h: fused.layer1(h, layout, wts, w2, world))
+    # One choice on every rank (they build one layout with its BLOCK_M): each candidate's
+    # slowest rank decides.
+    t0s, t1s = _agree(world, t0s), _agree(world, t1s)
     best = None
     for c0, t0 in t0s.items():
         for c1, t1 in t1s.items():
@@ -233,6 +282,7 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
                             dw_slot=fused._dw_slot(layout, world, None, dy, w2.shape[2]),
                         )
                     )
+        tbs = _agree(world, tbs)
         if tbs:
             cb = min(tbs, key=tbs.get)
             out["l0b"] = _as_cfg(cb)
