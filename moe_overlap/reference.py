@@ -71,8 +71,9 @@ def _compute_dtype(*tensors) -> torch.dtype:
     return torch.float32
 
 
-def _select_one(sel: list[float], cfg: MoEConfig) -> list[int]:
-    """The top-k expert ids of one token, best first (ties: lower id), group-limited if set."""
+def _select_one(sel: list[float], cfg: MoEConfig, cd: torch.dtype) -> list[int]:
+    """The top-k expert ids of one token, best first (ties: lower id), group-limited if set
+    (a group's score, the sum of its two best, rounded to the compute dtype ``cd``)."""
     E, K = cfg.num_experts, cfg.top_k
     candidates = list(range(E))
     if cfg.n_group is not None:
@@ -80,7 +81,7 @@ def _select_one(sel: list[float], cfg: MoEConfig) -> list[int]:
         group_score = []
         for g in range(cfg.n_group):
             members = sorted(sel[g * size : (g + 1) * size], reverse=True)
-            group_score.append(sum(members[:2]))
+            group_score.append(float(torch.tensor(members[:2], dtype=cd).sum()))
         groups = sorted(range(cfg.n_group), key=lambda g: (-group_score[g], g))
         kept = sorted(groups[: cfg.topk_group])
         candidates = [e for g in kept for e in range(g * size, (g + 1) * size)]
@@ -115,7 +116,9 @@ def route(
         sel = sel + correction_bias_E.detach().to(cd)
 
     ids = torch.tensor(
-        [_select_one(sel[t].tolist(), cfg) for t in range(T)], dtype=torch.int64, device=x_TH.device
+        [_select_one(sel[t].tolist(), cfg, cd) for t in range(T)],
+        dtype=torch.int64,
+        device=x_TH.device,
     ).reshape(T, K)
     w = scores.gather(1, ids)
     if cfg.norm_topk_prob:

@@ -129,6 +129,36 @@ def test_router_under_autocast_keeps_fp32_logits(monkeypatch, kernel, wdtype):
         assert torch.equal(a, p)
 
 
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_group_scores_round_like_the_router(monkeypatch, kernel):
+    """A group's score (its two best) is summed in the compute dtype in both the router and
+    the reference: at an fp32 rounding tie they picked different groups (the reference summed
+    Python floats)."""
+    monkeypatch.setenv("MOE_OVERLAP_ROUTER_KERNEL", kernel)
+    cfg = MoEConfig(4, 4, 4, 1, score_func="sigmoid", n_group=2, topk_group=1, router_bias=True)
+    r = Router(cfg)
+    with torch.no_grad():
+        r.weight.copy_(torch.diag(torch.tensor([30.0, -200.0, 30.0, -200.0])))  # scores 1,0,1,0
+        r.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 2.0**-24]))
+    x = torch.ones(1, 4)
+    want = ref.route(x, r.weight, cfg, r.e_score_correction_bias)
+    assert r(x).topk_ids.tolist() == want.topk_ids.tolist() == [[0]]  # 1 + 2^-24 rounds to 1
+
+
+def test_correction_bias_stays_fp32_when_the_module_is_cast():
+    cfg = MoEConfig(H, 5, E, 2, score_func="sigmoid", router_bias=True)
+    r = Router(cfg).to(torch.bfloat16)
+    assert r.weight.dtype == torch.bfloat16
+    assert r.e_score_correction_bias.dtype == torch.float32
+    with torch.no_grad():
+        for _ in range(10):
+            r.e_score_correction_bias += 1e-3
+    assert abs(float(r.e_score_correction_bias[0]) - 1e-2) < 1e-6
+    r.double()
+    assert r.e_score_correction_bias.dtype == torch.float32
+    assert "e_score_correction_bias" in dict(r.named_buffers())
+
+
 def test_router_zero_coefs_and_zero_tokens():
     cfg = MoEConfig(H, 5, E, 3, capacity_factor=1.0, aux_loss_coef=1.0, z_loss_coef=1.0)
     r = _router(cfg, torch.float32, seed=6)

@@ -42,6 +42,7 @@ every world size starts from the same numbers for one seed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -132,7 +133,11 @@ def _logits(x_TH, w_EH) -> torch.Tensor:
 def _no_autocast(x):
     """The logits stay fp32 inside a caller's ``torch.autocast`` region, which would otherwise
     run their GEMM in its low-precision dtype (and route on rounded logits)."""
-    return torch.autocast(x.device.type, enabled=False)
+    try:
+        on = torch.is_autocast_enabled(x.device.type)
+    except RuntimeError:  # a device type without autocast (meta)
+        on = False
+    return torch.autocast(x.device.type, enabled=False) if on else contextlib.nullcontext()
 
 
 class _Bf16Logits(torch.autograd.Function):
@@ -243,6 +248,15 @@ class Router(nn.Module):
             )
         else:
             self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` casts buffers too: the correction bias stays fp32, as
+        # the rest of routing, or its small updates (DeepSeek-V3: 1e-3) round away.
+        super()._apply(fn, recurse)
+        b = self.e_score_correction_bias
+        if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+            self.e_score_correction_bias = b.float()
+        return self
 
     def extra_repr(self) -> str:
         c = self.cfg
