@@ -322,6 +322,19 @@ def ag_matmul_flags(m_local: int, world_size: int, cfg: TileConfig) -> int:
     return world_size * triton.cdiv(m_local, cfg.BM) + N_COUNTERS
 
 
+def _copy_programs() -> int:
+    """``MOE_OVERLAP_TP_COPY_PROGRAMS`` (0 or unset: an eighth of the grid). A negative or
+    non-integer value would leave no copier, and every remote tile would time out."""
+    text = os.environ.get("MOE_OVERLAP_TP_COPY_PROGRAMS", "0")
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"MOE_OVERLAP_TP_COPY_PROGRAMS must be an int >= 0, got {text!r}")
+    return n
+
+
 def launch_ag_matmul(
     role,
     x,
@@ -364,7 +377,7 @@ def launch_ag_matmul(
     cap = 2 if interpreted else max_programs
     grid = max(1, min(cap, tasks))
     if n_copiers is None:
-        n_copiers = int(os.environ.get("MOE_OVERLAP_TP_COPY_PROGRAMS", "0")) or max(1, grid // 8)
+        n_copiers = _copy_programs() or max(1, grid // 8)
     ctr = flags_local[world_size * n_mb :]
     launch(
         _ag_matmul_kernel,

@@ -512,3 +512,16 @@ def test_parallel_linear_construction_and_errors():
 
     w0, w1 = spawn(2, fn)
     assert not torch.equal(w0, w1)  # shards are drawn from per-rank streams
+
+
+def test_copy_programs_knob_is_checked(monkeypatch):
+    from moe_overlap.kernels import ag_matmul
+
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("MOE_OVERLAP_TP_COPY_PROGRAMS", bad)
+        with pytest.raises(ValueError, match="MOE_OVERLAP_TP_COPY_PROGRAMS"):
+            ag_matmul._copy_programs()
+    monkeypatch.setenv("MOE_OVERLAP_TP_COPY_PROGRAMS", "3")
+    assert ag_matmul._copy_programs() == 3
+    monkeypatch.delenv("MOE_OVERLAP_TP_COPY_PROGRAMS")
+    assert ag_matmul._copy_programs() == 0
