@@ -59,7 +59,9 @@ Parallel layout (the design record of this module)
   takes exactly the update of the matching slice of the unsharded tensor.
 * **Precision.** Parameters live in ``dtype`` (fp32 on CPU, bf16 on GPU by default). For a
   dtype other than fp32 the optimizer steps fp32 master copies, gradients are accumulated into
-  the masters after every micro-batch, and the masters are copied back after each step.
+  the masters after every micro-batch, and the masters are copied back after each step. fp16
+  scales the loss dynamically (``_LossScale``: a step whose gradients overflowed on any rank
+  is skipped and the scale halved; the scale is checkpointed).
 
 Data
 ----
@@ -731,6 +733,41 @@ class _Progress:
             self.bar.close()
 
 
+class _LossScale:
+    """Dynamic loss scaling for fp16 (bf16 and fp32 need none): the loss is multiplied by
+    ``scale`` before the backward so small gradients survive fp16's range, and the fp32
+    master gradients are divided by it; a step whose gradients overflowed on any rank is
+    skipped and the scale halved, and after ``GROWTH_INTERVAL`` clean steps it doubles (the
+    policy of ``torch.amp.GradScaler``)."""
+
+    INIT = 2.0**16
+    GROWTH_INTERVAL = 200
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.scale = self.INIT if enabled else 1.0
+        self.good = self.skipped = 0
+
+    def state_dict(self) -> dict:
+        return dict(scale=self.scale, good=self.good, skipped=self.skipped)
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state and self.enabled:
+            self.scale, self.good, self.skipped = state["scale"], state["good"], state["skipped"]
+
+    def update(self, finite: bool) -> bool:
+        """Record one step's outcome; True if the optimizer may step."""
+        if not finite:
+            self.scale /= 2
+            self.good = 0
+            self.skipped += 1
+            return False
+        self.good += 1
+        if self.good % self.GROWTH_INTERVAL == 0:
+            self.scale *= 2
+        return True
+
+
 def _check_resume(ckpt, mcfg, tcfg):
     if ckpt.get("version") != CHECKPOINT_VERSION:
         raise ValueError(f"checkpoint version {ckpt.get('version')} is not {CHECKPOINT_VERSION}")
@@ -771,8 +808,10 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
     gen.manual_seed(int(tcfg.seed))
     hist = dict(losses=[], ce=[], aux=[])
     start = 0
+    scaler = _LossScale(dtype == torch.float16)
     if ckpt is not None:
         state = ckpt["ranks"][rank]
+        scaler.load_state_dict(state.get("loss_scale"))
         with torch.no_grad():
             for (n, m), (_, p) in zip(masters, named):
                 m.copy_(state["model"][n])
@@ -816,12 +855,15 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
             tgt, msk = (t[lo : lo + mb, pos].to(dev) for t in (targets, mask))
             logits, aux = model(tok)
             ce = ce_sum(logits, tgt, msk)
-            (ce / n_tok + aux / n_micro).backward()
+            loss = ce / n_tok + aux / n_micro
+            (loss * scaler.scale if scaler.enabled else loss).backward()
             stats[0] += ce.detach().double() / n_tok
             stats[1] += aux.detach().double() / n_micro
             if dtype != torch.float32:  # accumulate in the fp32 masters
                 for (_, m), (_, p) in zip(masters, named):
                     g = p.grad.float()
+                    if scaler.enabled:
+                        g.div_(scaler.scale)
                     m.grad = g if m.grad is None else m.grad.add_(g)
                     p.grad = None
         grads = [m.grad if m.grad is not None else torch.zeros_like(m) for _, m in masters]
@@ -834,7 +876,21 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
                 n = grads[i].numel()
                 grads[i].copy_(flat[off : off + n].view_as(grads[i]))
                 off += n
-        if tcfg.clip > 0:
+        step_ok = True
+        if scaler.enabled:  # one verdict for all ranks: expert gradients differ per rank
+            bad = torch.zeros((), dtype=torch.float32, device=dev)
+            for g in grads:
+                bad += (~torch.isfinite(g)).any().float()
+            if W > 1:
+                world.all_reduce(bad)
+            step_ok = scaler.update(float(bad) == 0)
+            if not step_ok and show:
+                print(
+                    f"step {step}: fp16 gradients overflowed: step skipped, loss scale now "
+                    f"{scaler.scale:g}",
+                    flush=True,
+                )
+        if tcfg.clip > 0 and step_ok:
             sq_e = torch.zeros((), dtype=torch.float32, device=dev)
             for i in expert:
                 sq_e = sq_e + grads[i].float().pow(2).sum()
@@ -847,7 +903,8 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
                 g.mul_(coef)
         for (_, m), g in zip(masters, grads):
             m.grad = g
-        opt.step()
+        if step_ok:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         if dtype != torch.float32:
             with torch.no_grad():
@@ -865,7 +922,11 @@ def _train_rank(world, mcfg: ModelConfig, tcfg: TrainConfig, gather, ckpt):
     bar.close()
     wall = time.perf_counter() - t_run
     ran = tcfg.steps - start
-    state = dict(model={n: m.detach().cpu().clone() for n, m in masters}, optim=opt.state_dict())
+    state = dict(
+        model={n: m.detach().cpu().clone() for n, m in masters},
+        optim=opt.state_dict(),
+        loss_scale=scaler.state_dict(),
+    )
     states = gather(world, state) if tcfg.save else None
     if rank != 0:
         return None

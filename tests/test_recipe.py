@@ -245,6 +245,29 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     assert ck["train_config"]["lr"] == 0.5
 
 
+def test_fp16_scales_the_loss_and_skips_overflowed_steps(tmp_path, monkeypatch):
+    """fp16 trains with dynamic loss scaling: at a normal scale it follows the fp32 curve; a
+    scale that overflows fp16's gradients skips the step (weights untouched) and halves."""
+    fp32 = train(TINY, _tcfg(steps=2, world_size=2))
+    fp16 = train(TINY, _tcfg(steps=2, world_size=2, dtype="fp16"))
+    assert _rel(fp16.losses, fp32.losses) < 2e-2, (fp16.losses, fp32.losses)
+
+    monkeypatch.setattr(recipe._LossScale, "INIT", 2.0**60)  # fp16 tops out at 65504
+    kw = dict(world_size=2, dtype="fp16", out=str(tmp_path), save=True)
+    train(TINY, _tcfg(steps=2, **kw))
+    ck = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    ls = ck["ranks"][0]["loss_scale"]
+    assert ls["skipped"] >= 1 and ls["scale"] == 2.0**60 / 2 ** ls["skipped"]
+    assert ck["ranks"][1]["loss_scale"] == ls  # one verdict for every rank
+    if ls["skipped"] == 2:  # nothing stepped: the masters are the initial weights
+        init = init_global_weights(TINY, 3)["embed.weight"].half().float()  # fp16 params
+        assert torch.equal(ck["ranks"][0]["model"]["embed.weight"], init)
+    # a resumed run keeps the scale it had reached
+    train(TINY, _tcfg(steps=3, resume=True, **kw))
+    ck2 = torch.load(tmp_path / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert ck2["ranks"][0]["loss_scale"]["scale"] <= ls["scale"]
+
+
 def test_sharded_start_equals_global_weights():
     """Every rank starts from the one-seed global model: experts sliced, the rest whole."""
     weights = init_global_weights(TINY, seed=7)
