@@ -288,7 +288,9 @@ def _combine_kernel(
                 tl.store(o_ptr + j[:, None] * H + cols[None, :], v, mask=m)
             v = v.to(tl.float32)
             if HAS_W:
-                wk = tl.load(wts_ptr + a, mask=tmask, other=0.0).to(tl.float32)
+                # a dropped slot's weight is never read: 0 * inf (a router renormalizing an
+                # all-dropped token gives 0 / 0) would make the token's row NaN
+                wk = tl.load(wts_ptr + a, mask=tmask & (j >= 0), other=0.0).to(tl.float32)
                 v = v * wk[:, None]
             acc += v
         if bad > 0:

@@ -147,6 +147,7 @@ def wait_sum_geq(
     ``signals.wait_geq``'s loop over two words. Folding it into ``wait_geq`` (a constexpr second
     word) would touch every kernel's waits, which the H200 has not re-run: kept apart until
     it can."""
+    budget = tl.where(tl.load(err_ptr, volatile=True) != 0, 0, budget)  # as wait_geq
     seen = load_acquire(flag_ptr).to(tl.int64) + load_acquire(sig_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0

@@ -128,6 +128,11 @@ def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: t
     Returns a scalar bool: True when the flag arrived. On timeout an error record names
     ``rank``, ``stage``, ``index``, ``target`` and the last value seen.
     """
+    # Once this rank has recorded a timeout (any program, any stage of the op), later waits
+    # look once and give up: a dead peer must cost one budget per op, not one per tile (at 20 s
+    # a wait and tens of tiles a program, minutes with no message).
+    gave_up = tl.load(err_ptr, volatile=True) != 0
+    budget = tl.where(gave_up, 0, budget)
     seen = load_acquire(flag_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0

@@ -967,6 +967,70 @@ def test_missing_dispatch_producer_raises_comm_timeout(monkeypatch):
     assert "dispatch" in str(e)
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered")
+def test_a_dead_peer_costs_one_wait_budget_not_one_per_tile(monkeypatch):
+    """After a rank's first timeout its later waits look once: the GEMM tiles of a dead peer's
+    rows (16 here) must not each spin a full budget (20 s a wait on a GPU: minutes)."""
+    from triton.runtime import interpreter
+
+    budget = 30
+    monkeypatch.setenv("MOE_OVERLAP_WAIT_ITERS", str(budget))
+    monkeypatch.setenv("MOE_OVERLAP_L0_CONFIG", "16,16,16,4,1")
+    polls = {"n": 0}
+    rmw = interpreter.InterpreterBuilder.create_atomic_rmw
+
+    def counting(self, *a, **k):  # the acquire polls are atomic adds of 0
+        polls["n"] += 1
+        return rmw(self, *a, **k)
+
+    class ConsumerPolls(_SkipProducers):
+        def __getitem__(self, grid):
+            def launch(**kw):
+                if kw["ROLE"] == 1 and kw["rank"] == self.rank:
+                    return None
+                if kw["ROLE"] == 2 and kw["rank"] == 0:
+                    polls["n"] = 0
+                    self.kernel[grid](**kw)
+                    polls["consumer"] = polls["n"]
+                    return None
+                return self.kernel[grid](**kw)
+
+            return launch
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_atomic_rmw", counting)
+    monkeypatch.setattr(fused, "_layer0_kernel", ConsumerPolls(fused._layer0_kernel, 1))
+    H, F = 16, 64  # rank 1's 64 rows for rank 0's expert: 4 row tiles x 4 column tiles
+
+    def fn(world):
+        T = 1 if world.rank == 0 else 64
+        g = torch.Generator().manual_seed(world.rank)
+        ids = torch.full((T, 1), 1 if world.rank == 0 else 0, dtype=torch.long)
+        w1 = torch.randn(1, 2 * F, H, generator=g) * 0.1
+        w2 = torch.randn(1, H, F, generator=g) * 0.1
+        with torch.no_grad():
+            mo.fused_experts(torch.randn(T, H, generator=g), ids, torch.ones(T, 1), w1, w2, world)
+
+    with pytest.raises(CommTimeoutError, match="dispatch"):
+        spawn(2, fn, timeout=120)
+    assert budget < polls["consumer"] < 2 * budget + 32, polls  # was ~16 budgets
+
+
+def test_a_dropped_assignment_never_reads_its_weight():
+    """Dropped slots contribute nothing, whatever their weight: a router that renormalizes an
+    all-dropped token gives 0 / 0 = NaN weights (0 * NaN made the token's output NaN)."""
+    case = Case(2, (5, 4), 16, 12, 4, 2, "swiglu", False, "drop", seed=9)
+    prob = make_problem(case)
+    for r in range(case.W):
+        prob.ids[r][0] = -1  # token 0: every assignment dropped
+        dropped = prob.ids[r] < 0
+        prob.wts[r][dropped] = float("inf") if r else float("nan")
+    got = run_fused(prob, backward=False)
+    ys, _, _ = run_reference(prob)
+    for r in range(case.W):
+        assert torch.isfinite(got[r][0]).all()
+        assert_close(got[r][0], ys[r], name=f"rank {r}")
+
+
 # ------------------------------------------------------------------------------ bad input
 T0, H0, F0, El0, K0 = 4, 8, 6, 2, 2
 
