@@ -71,4 +71,31 @@ def launch(kernel, grid, *args, **kwargs):
         if init is not None:
             init()  # loads the module and queries the function: no lazy load at launch
         return compiled
-    return kernel[grid](*args, **kwargs)
+    try:
+        return kernel[grid](*args, **kwargs)
+    except Exception as e:
+        hint = _cpu_without_interpreter(kernel, args, kwargs, e)
+        if hint:
+            raise RuntimeError(hint) from e
+        raise
+
+
+def _cpu_without_interpreter(kernel, args, kwargs, err) -> str | None:
+    """What to say when a compiled kernel got CPU tensors, or an interpreted one called a helper
+    compiled before TRITON_INTERPRET was set (Triton's own errors name no cause: "0 active
+    drivers", "Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    late = os.environ.get("TRITON_INTERPRET") == "1"
+    if isinstance(kernel, InterpretedFunction) and not (late and "scope of a kernel" in str(err)):
+        return None
+    values = (*args, *kwargs.values())
+    if not any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in values):
+        return None
+    return (
+        "moe_overlap's Triton kernels got CPU tensors: on the CPU they run in the Triton "
+        "interpreter, which Triton reads when kernels are defined, so TRITON_INTERPRET=1 must "
+        "be in the environment before moe_overlap (or triton) is imported"
+        + (" (it is set now, but was not then)" if late else "")
+    )

@@ -125,3 +125,30 @@ def test_interpreter_bf16_dot_is_right():
     kl.launch(_dot, (1,), a, b, c, N=16)
     want = a.double() @ b.double()  # bf16 products are exact: only fp32 accumulation differs
     assert torch.allclose(c.double(), want, rtol=1e-5, atol=1e-5), (c - want).abs().max()
+
+
+def test_cpu_tensors_without_the_interpreter_say_how_to_fix_it():
+    """Triton's own errors there name no cause ("0 active drivers"; with the variable set
+    after import, "Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    import os
+    import subprocess
+    import sys
+
+    body = (
+        "import os, torch\n"
+        "import moe_overlap as mo\n"
+        "{late}"
+        "x = torch.randn(8, 32); ids = torch.randint(0, 4, (8, 2)); w = torch.rand(8, 2)\n"
+        "w1 = torch.randn(4, 32, 32) * 0.1; w2 = torch.randn(4, 32, 16) * 0.1\n"
+        "try:\n"
+        "    mo.fused_experts(x, ids, w, w1, w2)\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for late, tail in (("", "imported"), ("os.environ['TRITON_INTERPRET'] = '1'\n", "not then)")):
+        r = subprocess.run([sys.executable, "-c", body.format(late=late)], env=env,
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        out = r.stdout.strip().splitlines()
+        assert out and out[-1].startswith("ERR") and "TRITON_INTERPRET=1" in out[-1], r
+        assert out[-1].endswith(tail), out[-1]
