@@ -170,6 +170,10 @@ def test_default_budgets_come_from_the_environment(monkeypatch):
     assert default_wait_budget(torch.device("cuda")) == 123
     monkeypatch.delenv("MOE_OVERLAP_WAIT_ITERS")
     assert default_wait_budget(torch.device("cpu")) == 200
+    for bad in ("abc", "0", "-5"):  # named, not int()'s bare message
+        monkeypatch.setenv("MOE_OVERLAP_WAIT_ITERS", bad)
+        with pytest.raises(ValueError, match="MOE_OVERLAP_WAIT_ITERS must be a positive int"):
+            default_wait_budget(torch.device("cpu"))
 
 
 # ------------------------------------------------------------------------------ publish

@@ -152,9 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(
         sub.add_parser("all", help="several ops over a list of presets"), dense=True, multi=True
     )
-    t = sub.add_parser("tune", help="re-tune one preset (fused module's tuning hook)")
-    t.add_argument("--preset", choices=sorted(PRESETS) + sorted(DENSE_ONLY), required=True)
-    t.add_argument("--op", choices=OPS, default="layer0")
+    t = sub.add_parser(
+        "tune",
+        help="re-tune one preset's MoE kernel blocks on the GPU and pin them in the config table",
+        description="Times the fused MoE kernels' block candidates on this GPU (layer 0, layer 1 "
+        "and the backward's dispatch GEMM) and stores the fastest for the preset's shape in the "
+        "config table the fused ops read (op moe: what fused_experts and MoELayer use).",
+    )
+    t.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    t.add_argument(
+        "--op",
+        choices=("moe", "layer0", "layer1"),
+        default="moe",
+        help="whose time decides: the pair's sum (moe, default; the entry the ops read), or one "
+        "layer's",
+    )
     t.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     t.add_argument("--device", default=None)
     t.add_argument("--world-size", type=int, default=1)
@@ -172,7 +184,13 @@ def _device(args):
     import torch
 
     if args.device:
-        return torch.device(args.device)
+        try:
+            dev = torch.device(args.device)
+        except RuntimeError as e:
+            raise SystemExit(f"error: --device {args.device!r}: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise SystemExit(f"error: --device {args.device} but this torch sees no CUDA GPU")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -222,31 +240,48 @@ def _specs(args, device, dtype, world_size):
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise SystemExit(f"unknown op(s) {bad}; choose from {OPS}")
+    if getattr(args, "backward", False) and "moe" not in ops:
+        raise SystemExit("error: --backward times the whole MoE layer (op moe) only")
+    if args.sets is not None and args.sets < 1:
+        raise SystemExit(f"error: --sets must be >= 1, got {args.sets}")
+    if args.rounds is not None and args.rounds < 1:
+        raise SystemExit(f"error: --rounds must be >= 1, got {args.rounds}")
+    for flag, text in (("--warmup", args.warmup), ("--rep", args.rep)):
+        try:
+            kind, v = parse_amount(text)
+        except ValueError as e:
+            raise SystemExit(f"error: {flag}: {e}") from None
+        if flag == "--rep" and v < 1:
+            raise SystemExit("error: --rep must be >= 1 call (or a duration)")
     default_preset = "tiny" if device.type == "cpu" else None
     specs = []
     for preset in presets:
         for op in ops:
-            if op in ("ag-matmul", "matmul-rs"):
-                shape = get_dense_shape(
-                    op,
-                    preset or (default_preset or "gpt3-175b"),
-                    getattr(args, "m", None),
-                    getattr(args, "n", None),
-                    getattr(args, "k", None),
-                )
-            else:
-                if preset in DENSE_ONLY:
-                    continue
-                shape = get_moe_shape(
-                    preset or default_preset or "mixtral-8x7b",
-                    tokens=args.tokens,
-                    hidden=args.hidden,
-                    ffn=args.ffn,
-                    experts=args.experts,
-                    topk=args.topk,
-                    activation=args.activation,
-                    score_func=args.score_func,
-                )
+            try:  # sizes and presets: a usage error, not a traceback
+                if op in ("ag-matmul", "matmul-rs"):
+                    shape = get_dense_shape(
+                        op,
+                        preset or (default_preset or "gpt3-175b"),
+                        getattr(args, "m", None),
+                        getattr(args, "n", None),
+                        getattr(args, "k", None),
+                    )
+                else:
+                    if preset in DENSE_ONLY:
+                        continue
+                    shape = get_moe_shape(
+                        preset or default_preset or "mixtral-8x7b",
+                        tokens=args.tokens,
+                        hidden=args.hidden,
+                        ffn=args.ffn,
+                        experts=args.experts,
+                        topk=args.topk,
+                        activation=args.activation,
+                        score_func=args.score_func,
+                    )
+            except (KeyError, ValueError) as e:
+                raise SystemExit(f"error: {op} {preset}: {e}") from None
+            _check_world_fits(op, shape, world_size)
             specs.append(
                 RunSpec(
                     op=op,
@@ -267,6 +302,24 @@ def _specs(args, device, dtype, world_size):
                 )
             )
     return specs
+
+
+def _check_world_fits(op, shape, world_size) -> None:
+    """The sizes a world of ``world_size`` ranks must divide (checked before any run)."""
+    d = shape.as_dict()
+    if op in ("ag-matmul", "matmul-rs"):
+        for name in ("m", "n", "k"):
+            v = d.get(name)
+            if name == "m" and isinstance(v, int) and v % world_size:
+                raise SystemExit(
+                    f"error: {op}: M = {v} rows must be a multiple of --world-size {world_size}"
+                )
+    elif d["experts"] % world_size:
+        raise SystemExit(
+            f"error: {op}: {d['experts']} experts do not split over --world-size {world_size}"
+        )
+    if op != "ag-matmul" and op != "matmul-rs" and d["topk"] > d["experts"]:
+        raise SystemExit(f"error: {op}: top-k {d['topk']} exceeds {d['experts']} experts")
 
 
 def _write_traces(runs, path):
@@ -316,9 +369,9 @@ def _run_bench(args) -> int:
             )
         world_size = world.world_size
     else:
-        world_size = args.world_size or 1
+        world_size = 1 if args.world_size is None else args.world_size
     if world_size < 1:
-        raise SystemExit("--world-size must be >= 1")
+        raise SystemExit("error: --world-size must be >= 1")
     dtype = _dtype(args, device)
     specs = _specs(args, device, dtype, world_size)
     env = report.environment(device)
@@ -357,8 +410,15 @@ def _run_bench(args) -> int:
         tail.append(f"appended to {report.append_markdown(runs, env, args.md)}")
     if args.trace:
         written = _write_traces(runs, args.trace)
+        why = [
+            f"{r['op']} {c['name']}: {c['trace']}"
+            for r in runs
+            for c in r["cases"]
+            if c.get("role") == "candidate" and isinstance(c.get("trace"), str)
+        ]
         tail += [f"trace: {w}" for w in written] or [
-            "trace: no fused candidate produced a tile trace (see the table's notes)"
+            "trace: no fused candidate produced a tile trace (tiles are traced by layer0 and "
+            "layer1)" + "".join(f"\n  {w}" for w in why)
         ]
     for line in tail:
         print(line)
@@ -370,14 +430,17 @@ def _run_tune(args) -> int:
 
     import torch
 
-    from .presets import get_dense_shape, get_moe_shape, store_config
+    from .presets import get_moe_shape, store_config
 
     device = _device(args)
     dtype = _dtype(args, device)
-    if args.op in ("ag-matmul", "matmul-rs"):
-        shape = get_dense_shape(args.op, args.preset).as_dict()
-    else:
-        shape = get_moe_shape(args.preset).as_dict()
+    if args.world_size < 1:
+        raise SystemExit("error: --world-size must be >= 1")
+    shape = get_moe_shape(args.preset).as_dict()
+    if shape["experts"] % args.world_size:
+        raise SystemExit(
+            f"error: {shape['experts']} experts do not split over --world-size {args.world_size}"
+        )
     shape = {k: v for k, v in shape.items() if isinstance(v, int)}
     hook = None
     for mod_name in ("moe_overlap.experts.fused", "moe_overlap.tp", "moe_overlap"):
@@ -405,7 +468,14 @@ def _run_tune(args) -> int:
         from .. import local_world
 
         config = hook[1](args.op, shape, dtype, local_world(device))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if device.type != "cuda":
+        # The interpreter runs its own small blocks whatever the candidate: nothing to pin.
+        print(
+            f"tune {args.op} {args.preset} on the CPU: {config}\nnot written: the interpreter's "
+            "timings mean nothing and it runs its own blocks (tune on a GPU)"
+        )
+        return 0
+    name = torch.cuda.get_device_name(device)
     dshort = {v: k for k, v in DTYPES.items()}[str(dtype).replace("torch.", "")]
     from . import report
 

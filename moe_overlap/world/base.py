@@ -78,10 +78,16 @@ def default_wait_budget(device: torch.device) -> int:
     emulated sequential mode every producer has finished before a consumer polls, so a wait that
     polls more than once is already a protocol error).
     """
-    if device.type == "cuda" and not interpreted():
-        secs = float(os.environ.get("MOE_OVERLAP_WAIT_TIMEOUT_S", "20"))
-        return int(secs * 1e9)
-    return int(os.environ.get("MOE_OVERLAP_WAIT_ITERS", "200"))
+    gpu = device.type == "cuda" and not interpreted()
+    name = "MOE_OVERLAP_WAIT_TIMEOUT_S" if gpu else "MOE_OVERLAP_WAIT_ITERS"
+    text = os.environ.get(name, "20" if gpu else "200")
+    try:
+        v = float(text) if gpu else int(text)
+    except ValueError:
+        v = -1
+    if v <= 0:
+        raise ValueError(f"{name} must be a positive {'number' if gpu else 'int'}, got {text!r}")
+    return int(v * 1e9) if gpu else v
 
 
 @dataclass
