@@ -272,8 +272,9 @@ class TrainConfig:
             c.world_size = 1 if dev.type == "cuda" else 4
         for name in ("steps", "batch", "micro_batch", "world_size"):
             v = getattr(c, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < (0 if name == "steps" else 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            low = 0 if name == "steps" else 1  # 0 steps: a resumed run only rewrites its outputs
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {v!r}")
         if not isinstance(c.tp, bool):
             raise ValueError(f"tp must be a bool, got {c.tp!r}")
         if c.tp:
@@ -777,7 +778,13 @@ def _check_resume(ckpt, mcfg, tcfg):
             f"--world-size {ckpt['world_size']} (got {tcfg.world_size})"
         )
     if ckpt["model_config"] != dataclasses.asdict(mcfg):
-        raise ValueError(f"model flags differ from the checkpoint's: {ckpt['model_config']}")
+        now = dataclasses.asdict(mcfg)
+        diff = ", ".join(
+            f"{k} {now.get(k)!r} (checkpoint: {v!r})"
+            for k, v in ckpt["model_config"].items()
+            if now.get(k) != v
+        )
+        raise ValueError(f"model flags differ from the checkpoint's: {diff}")
     for k in ("batch", "micro_batch", "task", "data", "seed"):
         if ckpt["train_config"][k] != getattr(tcfg, k):
             raise ValueError(
@@ -1111,7 +1118,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=t.steps,
         help="total steps (a resumed run continues up to this many)",
     )
-    g.add_argument("--lr", type=float, default=t.lr)
+    g.add_argument("--lr", type=float, default=t.lr, help="AdamW learning rate (constant)")
     g.add_argument("--seed", type=int, default=t.seed, help="weights and data")
     g.add_argument("--batch", type=int, default=t.batch, help="global sequences per step")
     g.add_argument(
@@ -1133,7 +1140,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="parameter dtype (default fp32 on CPU, bf16 on CUDA)",
     )
-    g.add_argument("--impl", choices=("fused", "baseline"), default=t.impl)
+    g.add_argument(
+        "--impl",
+        choices=("fused", "baseline"),
+        default=t.impl,
+        help="MoE experts: the fused kernels or the all_to_all + grouped_mm baseline",
+    )
     g.add_argument(
         "--tp",
         action="store_true",
@@ -1147,7 +1159,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a text file (bytes, vocab 256) instead of the built-in task",
     )
-    g.add_argument("--weight-decay", type=float, default=t.weight_decay)
+    g.add_argument(
+        "--weight-decay", type=float, default=t.weight_decay, help="AdamW decay (not on norms)"
+    )
     g.add_argument("--clip", type=float, default=t.clip, help="grad-norm clip (0: off)")
     g.add_argument("--out", default=t.out, help="output folder")
     g.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -1156,15 +1170,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--vocab-size", type=int, default=None, help=f"default {m.vocab_size} (256 with --data)"
     )
-    g.add_argument("--d-model", type=int, default=m.d_model)
-    g.add_argument("--layers", type=int, default=m.n_layers)
-    g.add_argument("--heads", type=int, default=m.n_heads)
+    g.add_argument("--d-model", type=int, default=m.d_model, help="hidden size H")
+    g.add_argument("--layers", type=int, default=m.n_layers, help="decoder blocks")
+    g.add_argument("--heads", type=int, default=m.n_heads, help="attention heads")
     g.add_argument("--ffn", type=int, default=m.ffn_size, help="per-expert FFN size")
-    g.add_argument("--experts", type=int, default=m.num_experts)
-    g.add_argument("--top-k", type=int, default=m.top_k)
-    g.add_argument("--seq-len", type=int, default=m.seq_len)
-    g.add_argument("--aux-loss-coef", type=float, default=m.aux_loss_coef)
-    g.add_argument("--z-loss-coef", type=float, default=m.z_loss_coef)
+    g.add_argument("--experts", type=int, default=m.num_experts, help="experts per MoE block")
+    g.add_argument("--top-k", type=int, default=m.top_k, help="experts per token")
+    g.add_argument("--seq-len", type=int, default=m.seq_len, help="tokens per sequence")
+    g.add_argument(
+        "--aux-loss-coef", type=float, default=m.aux_loss_coef, help="load-balance loss weight"
+    )
+    g.add_argument("--z-loss-coef", type=float, default=m.z_loss_coef, help="router z-loss weight")
     return p
 
 

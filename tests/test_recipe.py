@@ -243,6 +243,10 @@ def test_resume_takes_this_runs_lr_and_weight_decay(tmp_path):
     assert {g["lr"] for g in groups} == {0.5}
     assert sorted(g["weight_decay"] for g in groups) == [0.0, 0.3]
     assert ck["train_config"]["lr"] == 0.5
+    # a model flag that differs is named, with both values
+    other = dataclasses.replace(TINY, n_layers=TINY.n_layers + 1)
+    with pytest.raises(ValueError, match=rf"n_layers {TINY.n_layers + 1} \(checkpoint: "):
+        train(other, _tcfg(steps=3, resume=True, **kw))
 
 
 def test_fp16_scales_the_loss_and_skips_overflowed_steps(tmp_path, monkeypatch):
