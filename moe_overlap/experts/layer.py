@@ -134,10 +134,14 @@ class SharedExperts(nn.Module):
 class MoELayer(nn.Module):
     """Router + experts sharded over an expert-parallel ``world`` (+ shared experts).
 
-    ``impl="fused"`` (default) runs the fused Triton kernels; ``impl="baseline"`` the plain
-    all-to-all + grouped_mm path (comparison and fallback). After a forward,
-    ``aux_loss`` holds the differentiable scaled auxiliary loss and ``expert_counts [E]`` the
-    assignments this rank routed to each global expert.
+    ``forward(x [..., H]) -> [..., H]`` in x's dtype, which must be the layer's (``dtype``,
+    default torch's default), on the world's device; leading dims are flattened into this
+    rank's tokens. ``impl="fused"`` (default) runs the fused Triton kernels; ``impl="baseline"``
+    the plain all-to-all + grouped_mm path (comparison and fallback). After a forward,
+    ``aux_loss`` (fp32 scalar) holds the differentiable scaled auxiliary loss and
+    ``expert_counts [E]`` (int64) the assignments this rank routed to each global expert.
+    Parameters: ``router.weight [E, H]`` (fp32 by default), ``experts.gate_up_proj [El, 2F or F,
+    H]`` and ``experts.down_proj [El, H, F]`` in ``dtype`` (El = E / world size; HF v5 layout).
     """
 
     def __init__(

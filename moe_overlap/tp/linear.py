@@ -153,6 +153,11 @@ class ColumnParallelLinear(nn.Module):
         gather_input: input is this rank's row shard (all_gather_matmul) rather than the
             full replicated input.
         dtype, device: of the parameters (default: torch's default dtype, the world's device).
+
+    ``forward(x [S, ..., in]) -> [S * W or S, ..., out / W]``: with ``gather_input`` x is this
+    rank's ``S`` rows along dim 0 (rank r holds rows ``[r S, (r + 1) S)``, sequence first) and
+    the output has every rank's rows; else x is the full replicated input. x in the weight's
+    dtype, on the world's device.
     """
 
     def __init__(
@@ -242,6 +247,11 @@ class RowParallelLinear(nn.Module):
         scatter_output: reduce-scatter the rows (matmul_reduce_scatter) rather than
             all-reduce them.
         dtype, device: of the parameters (default: torch's default dtype, the world's device).
+
+    ``forward(x [S, ..., in / W]) -> [S / W or S, ..., out]``: x holds this rank's input
+    columns (a ColumnParallelLinear's output); with ``scatter_output`` rank r keeps rows
+    ``[r S / W, (r + 1) S / W)`` along dim 0 of the summed result, else every rank gets all
+    ``S`` rows. x in the weight's dtype, on the world's device.
     """
 
     def __init__(
