@@ -294,7 +294,15 @@ if HAVE_GLUON:
         2026-12-04): the forward carries them from step to step and loads a tile's expert one
         tile ahead (qwen3-30b-a3b 1.686 -> 1.625 ms, olmoe 2.045 -> 1.970, against a load
         between every two wgmmas); the backward, the same change made slower (0.906 -> 0.969,
-        1.144 -> 1.223 ms), so it keeps the per-step load (:func:`_issue_at`)."""
+        1.144 -> 1.223 ms), so it keeps the per-step load (:func:`_issue_at`).
+
+        The K loop sits inside the tile loop. As one flat loop with the tile's end under an
+        ``if`` (the first version, every number above), ptxas (12.8 and 13.4, sm_90a) drained
+        every wgmma at the loop's back edge (C7517, "warpgroup.wait is injected ... to allow use
+        of registers defined by GMMA": the accumulator is redefined under the branch), so no
+        wgmma stayed in flight from one K step to the next and whatever the MMA warps did
+        between two wgmmas (the barrier wait, the next TMA issue, a global load) idled the
+        tensor cores. ``tests/test_compile_sm90.py`` checks that ptxas injects no such wait."""
         STAGES: gl.constexpr = p.a_bufs.shape[0]
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
@@ -316,38 +324,36 @@ if HAVE_GLUON:
             else:
                 _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
         acc = gl.zeros((p.BM, p.BN), gl.float32, layout=layout)
-        j = 0
-        kk = zero  # the consumed step's K index, carried (no division between wgmmas)
-        for ic in range(n_iter):
-            s = ic % STAGES
-            mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
-            if p.FWD:  # K-major weight tiles: the transposed view, as wgmma reads it
-                acc = warpgroup_mma(
-                    p.a_bufs.index(s),
-                    p.b_bufs.index(s).permute((1, 0)),
-                    acc,
-                    use_acc=kk > 0,
-                    is_async=True,
-                )
-            else:
-                acc = warpgroup_mma(
-                    p.a_bufs.index(s), p.b_bufs.index(s), acc, use_acc=kk > 0, is_async=True
-                )
-            # step ic - 1's wgmma is done: its stage takes step ic + STAGES - 1
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            if p.FWD:
-                _issue(p, ic + STAGES - 1, n_iter, st)
-                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
-            else:
-                _issue_at(p, ic + STAGES - 1, n_iter, pid, nprog, n_m, n_n, n_k)
-            if kk == n_k - 1:
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.wait(p.c_empty, (j & 1) ^ 1)  # a fresh barrier passes phase 1
-                p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
-                fence_async_shared()
-                mbarrier.arrive(p.c_ready)
-                j += 1
-            kk = gl.where(kk == n_k - 1, 0, kk + 1)
+        ic = zero
+        for j in range(n_iter // n_k):
+            for kk in range(n_k):
+                s = ic % STAGES
+                mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+                if p.FWD:  # K-major weight tiles: the transposed view, as wgmma reads it
+                    acc = warpgroup_mma(
+                        p.a_bufs.index(s),
+                        p.b_bufs.index(s).permute((1, 0)),
+                        acc,
+                        use_acc=kk > 0,
+                        is_async=True,
+                    )
+                else:
+                    acc = warpgroup_mma(
+                        p.a_bufs.index(s), p.b_bufs.index(s), acc, use_acc=kk > 0, is_async=True
+                    )
+                # step ic - 1's wgmma is done: its stage takes step ic + STAGES - 1
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                if p.FWD:
+                    _issue(p, ic + STAGES - 1, n_iter, st)
+                    st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+                else:
+                    _issue_at(p, ic + STAGES - 1, n_iter, pid, nprog, n_m, n_n, n_k)
+                ic += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.wait(p.c_empty, (j & 1) ^ 1)  # a fresh barrier passes phase 1
+            p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
+            fence_async_shared()
+            mbarrier.arrive(p.c_ready)
 
     @gluon.jit
     def _tile_rows(p, t, n_m, n_n, total):

@@ -333,9 +333,12 @@ def test_moe_kernels_compile_for_sm90(tmp_path):
 _WS_SCRIPT = _HELPERS + textwrap.dedent(
     """
     import itertools
+    import subprocess
+    import tempfile
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
     from triton.runtime.jit import mangle_type
     from moe_overlap.experts.fused import dact_ws_config
     from moe_overlap.kernels import moe_layer0_ws as m
@@ -382,6 +385,14 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
         # the forward's B tile is K-major (w1's rows): wgmma reads it transposed, still n = BN
         assert f"m64n{BN}k16" in ptx, (BN, FWD)
+        # the K loop keeps one wgmma group in flight: ptxas must not have to drain them (C7517,
+        # "warpgroup.wait is injected ... to allow use of registers defined by GMMA")
+        with tempfile.TemporaryDirectory() as d:
+            open(f"{d}/k.ptx", "w").write(ptx)
+            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
+                                f"{d}/k.o"], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert "C7517" not in r.stderr, (BN, FWD, DW, SAVE, r.stderr[-2000:])
         n += 1
     print(f"compiled {n} warp-specialized layer-0 variants for sm_90")
     """
