@@ -37,7 +37,7 @@ sm_90a, 4 slices: spill loads 2348 -> 3632 bytes per thread) and time: on the H2
 (2026-12-04) +0.09 ms at qwen3-30b-a3b against the 0.18 ms of ``row_dot`` it saves, +0.30 ms
 at mixtral-8x7b against ~0.08, so the host takes it only where ``F < H``.
 At one rank on a Hopper GPU the host runs this GEMM (SwiGLU) as the warp-specialized Gluon
-kernel of ``moe_layer0_ws.py`` instead (0.91 against 1.05 ms at qwen3-30b-a3b, 2026-12-04), and
+kernel of ``moe_ws.py`` instead (0.91 against 1.05 ms at qwen3-30b-a3b, 2026-12-04), and
 the SwiGLU forward (no bias) too.
 ``EPI_SUB`` 8 (32-column slices at BN 256) cuts the spills further (same ptxas: spill loads
 2348 -> 572 bytes without ``DW``, 3632 -> 1568 with it) but is slower: on the H200

@@ -329,10 +329,11 @@ def test_forward_with_a_sliced_swiglu_epilogue(case, epi, monkeypatch):
     [
         ("MOE_OVERLAP_DACT_WS_CONFIG", "dact_ws_config"),
         ("MOE_OVERLAP_L0_WS_CONFIG", "layer0_ws_config"),
+        ("MOE_OVERLAP_L1_WS_CONFIG", "layer1_ws_config"),
     ],
 )
 def test_bad_ws_config_is_rejected(env, var, get, monkeypatch):
-    # The warp-specialized layer-0 kernels' A/B knobs (kernels/moe_layer0_ws.py).
+    # The warp-specialized kernels' A/B knobs (kernels/moe_ws.py).
     config = getattr(fused, get)
     assert config()["BN"] == 256 and config()["EPI_REGS"] == 184
     monkeypatch.setenv(var, env)
@@ -426,7 +427,86 @@ def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(fused, "interpreted", lambda: True)
     assert not fused._dact_ws_usable(a, w2, gu, lay, world, "swiglu")
-    assert not fused._ws_common_ok(a, w1, lay, world, "swiglu")
+    assert not fused._ws_common_ok(a, w1, lay, world)
+
+
+def test_ws_carry_knob(monkeypatch):
+    # MOE_OVERLAP_WS_CARRY pins the load-position path of every warp-specialized kernel (A/B
+    # runs); unset, each mode keeps its default (the config has no CARRY key)
+    assert "CARRY" not in fused.layer1_ws_config()
+    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "1")
+    assert fused.dact_ws_config()["CARRY"] is True
+    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "0")
+    assert fused.layer0_ws_config()["CARRY"] is False
+    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "yes")
+    with pytest.raises(ValueError, match="MOE_OVERLAP_WS_CARRY"):
+        fused.layer1_ws_config()
+
+
+def test_layer1_ws_gate(monkeypatch):
+    # Which layer-1 GEMMs the warp-specialized kernel takes (device checks mocked): the forward
+    # with w2 [El, H, F] (K-major), the backward's combine with w1 [El, 2F, H]; not with a bias,
+    # a trace, a mis-shaped h, unaligned widths, or the switch off. Off Hopper: never.
+    world = local_world(torch.device("cpu"))
+    R, H, F, El = 256, 64, 48, 2
+    lay = type("L", (), {"block_m": 128, "rows_cap": R})()
+    h = torch.zeros(R, F, dtype=torch.bfloat16)
+    d_gu = torch.zeros(R, 2 * F, dtype=torch.bfloat16)
+    w1 = torch.zeros(El, 2 * F, H, dtype=torch.bfloat16)
+    w2 = torch.zeros(El, H, F, dtype=torch.bfloat16)
+    assert fused._l1_ws_usable(h, w2, lay, world, None, None, F, H, w2.stride(2)) is None
+    monkeypatch.setattr(fused, "_ws_common_ok", lambda *a: True)
+    assert fused._l1_ws_usable(h, w2, lay, world, None, None, F, H, w2.stride(2)) is True
+    assert fused._l1_ws_usable(d_gu, w1, lay, world, None, None, 2 * F, H, w1.stride(1)) is False
+    refused = [
+        (h, w2, torch.zeros(El, H), None, F, H, w2.stride(2)),  # bias
+        (h, w2, None, torch.zeros(4, 6), F, H, w2.stride(2)),  # trace
+        (h[:128], w2, None, None, F, H, w2.stride(2)),  # h not [rows_cap, F]
+        (d_gu, w1, None, None, 2 * F, H, w1.stride(2)),  # strides against the shape
+        (h[:, :44], w2[:, :, :44], None, None, 44, H, 1),  # F % 8
+        (h, w2[:, :60], None, None, F, 60, w2.stride(2)),  # H % 8
+    ]
+    for a, w, bias, trace, k, n, swk in refused:
+        assert fused._l1_ws_usable(a, w, lay, world, bias, trace, k, n, swk) is None
+    monkeypatch.setenv("MOE_OVERLAP_L1_WS", "0")
+    assert fused._l1_ws_usable(h, w2, lay, world, None, None, F, H, w2.stride(2)) is None
+
+
+def test_layer1_takes_the_ws_gemm_at_one_rank(monkeypatch):
+    # _launch_layer1's gate at one rank (the kernel mocked: it writes what the Triton GEMM
+    # would, so the reduction after it must give the reference): the forward's GEMM and the
+    # backward's combine both go through _launch_l1_ws with the right orientation.
+    world = local_world(torch.device("cpu"))
+    T, H, F, E, K = 7, 16, 8, 3, 2
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    wts = torch.rand(T, K, generator=g)
+    w1 = torch.randn(E, 2 * F, H, generator=g) / 4
+    w2 = torch.randn(E, H, F, generator=g) / 4
+    calls = []
+
+    def fake(h, w, comb, row_slot, lay, wo, kmajor):
+        calls.append(kmajor)
+        le = lay.row_local_expert.long()
+        wl = w[le].transpose(1, 2) if kmajor else w[le]
+        out = torch.bmm(h.unsqueeze(1).double(), wl.double()).squeeze(1)
+        ok = (lay.row_tok >= 0) & (row_slot >= 0)
+        comb[row_slot[ok].long()] = out[ok].to(comb.dtype)
+
+    monkeypatch.setattr(fused, "_l1_ws_usable", lambda h, w, *a: a[-1] == 1)
+    monkeypatch.setattr(fused, "_launch_l1_ws", fake)
+    leaves = [t.clone().requires_grad_() for t in (x, wts, w1, w2)]
+    y = mo.fused_experts(leaves[0], ids, leaves[1], leaves[2], leaves[3], world=world)
+    dy = torch.randn(T, H, generator=g)
+    y.backward(dy)
+    assert calls == [True, False]  # forward (w2, K-major), then the backward's combine (w1)
+    want = [t.double().requires_grad_() for t in (x, wts, w1, w2)]
+    y_ref = ref.experts(want[0], ids, want[1], want[2], want[3], "swiglu", None, None)
+    y_ref.backward(dy.double())
+    assert_close(y, y_ref, dtype=torch.float32, name="y")
+    for name, got, w in zip(("dx", "d topk_weights", "d w1", "d w2"), leaves, want):
+        assert_close(got.grad, w.grad, dtype=torch.float32, name=name)
 
 
 @pytest.mark.parametrize(

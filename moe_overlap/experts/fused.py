@@ -400,7 +400,7 @@ def _launch_layer0(
     falls back to gathering rows of ``x``).
 
     One rank on a Hopper GPU, SwiGLU forward without bias or trace: the warp-specialized Gluon
-    kernel (``kernels/moe_layer0_ws.py``, :func:`_l0_ws_usable`) on the staged rows instead.
+    kernel (``kernels/moe_ws.py``, :func:`_l0_ws_usable`) on the staged rows instead.
 
     ``dw_slot [R]`` int32 (``dact`` at one rank only): the slot of each row; the epilogue then
     also writes, per (slot, column tile), the tile's part of ``<act(pre), out row before the
@@ -410,7 +410,7 @@ def _launch_layer0(
     device = x.device
     W = world.world_size
     ws_fwd = dact is None and scale is None and row_scale is None and dw_slot is None
-    # One rank on Hopper: the warp-specialized kernel (kernels/moe_layer0_ws.py), on rows the
+    # One rank on Hopper: the warp-specialized kernel (kernels/moe_ws.py), on rows the
     # caller gathered or where staging them pays anyway (else the Triton kernel's pointer loads
     # win: qwen3-30b-a3b inference 1.611 ms against 1.625 staged, H200, 2026-12-04)
     ws_fwd = ws_fwd and (a_rows is not None or _stage_pays(2 * (n_out or 0)))
@@ -611,7 +611,7 @@ def _staged_rows_desc(x, layout: Layout, recv, a_rows, BM: int, BK: int):
 
 def _launch_l0_ws(a_rows, w1, layout: Layout, world: World, save_gu: bool):
     """The Gluon path of :func:`_launch_layer0`'s SwiGLU forward -> ``(h [R, F], gu or None)``."""
-    from ..kernels.moe_layer0_ws import swiglu_ws
+    from ..kernels.moe_ws import swiglu_ws
 
     cfg = layer0_ws_config()
     R = a_rows.shape[0]
@@ -738,9 +738,16 @@ def _launch_layer1(
     flat = W == 1 and h_desc is not None and trace is None
     put1 = _put_args(world, sig, stage_ws, "layer1")
     red_put = _put_args(world, sig, stage_ws, "combine")
+    # One rank on Hopper: the warp-specialized kernel (kernels/moe_ws.py), its epilogue's row
+    # stores off the tensor cores' path
+    ws_kmajor = None
+    if W == 1:
+        ws_kmajor = _l1_ws_usable(h, w, layout, world, bias, trace, k_dim, H, stride_wk)
 
     def launch(role):
-        if role in (0, 1):
+        if role == 0 and ws_kmajor is not None:
+            _launch_l1_ws(h, w, comb_local, row_slot, layout, world, ws_kmajor)
+        elif role in (0, 1):
             _launch(
                 _layer1_gemm_kernel,
                 (n_gemm,),
@@ -1081,6 +1088,11 @@ def _ws_config(env: str) -> dict:
                 " in [24, 256]"
             )
         cfg.update(BN=parts[0], BK=parts[1], STAGES=parts[2], GM=parts[3], EPI_REGS=parts[4])
+    carry = os.environ.get("MOE_OVERLAP_WS_CARRY")
+    if carry:
+        if carry not in ("0", "1"):
+            raise ValueError(f"MOE_OVERLAP_WS_CARRY must be 0 or 1, got {carry!r}")
+        cfg["CARRY"] = carry == "1"
     # the ring of A and B tiles plus the hand-off tile, 16-bit: a block may have 227 KiB
     smem = 2 * (cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] + cfg["BM"] * cfg["BN"])
     if smem > 227 * 1024:
@@ -1089,7 +1101,7 @@ def _ws_config(env: str) -> dict:
 
 
 def dact_ws_config() -> dict:
-    """Block config of the warp-specialized backward dispatch GEMM (``kernels/moe_layer0_ws.py``).
+    """Block config of the warp-specialized backward dispatch GEMM (``kernels/moe_ws.py``).
     ``MOE_OVERLAP_DACT_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one (A/B runs); the
     register split is checked by ptxas: at 128x256x64, 3 stages, the epilogue's 4 warps at 184
     registers and the MMA warp groups at 160 (``maxnreg`` 168 over 12 warps; Triton 3.6 ptxas:
@@ -1098,7 +1110,7 @@ def dact_ws_config() -> dict:
 
 
 def layer0_ws_config() -> dict:
-    """Block config of the warp-specialized SwiGLU forward (``kernels/moe_layer0_ws.py``): ``BN``
+    """Block config of the warp-specialized SwiGLU forward (``kernels/moe_ws.py``): ``BN``
     counts gate and up columns together (256: 128 of each). ``MOE_OVERLAP_L0_WS_CONFIG=BN,BK,
     STAGES,GROUP_M,EPI_REGS`` pins one. Triton 3.6 ptxas at the default (128x256x64, 3 stages,
     epilogue 184 / MMA 160 registers): no spills, 208 KiB of shared memory."""
@@ -1108,11 +1120,19 @@ def layer0_ws_config() -> dict:
     return cfg
 
 
-def _ws_common_ok(a, w, layout: Layout, world: World, act: str) -> bool:
-    """What both warp-specialized kernels need: one rank, SwiGLU, a Hopper GPU, 16-bit operands
-    of one dtype, 128-row expert tiles (the two MMA warp groups cover 128 rows), contiguous
-    TMA-aligned operands, compiled (Gluon does not run in the interpreter)."""
-    if interpreted() or world.world_size != 1 or act != "swiglu" or not a.is_cuda:
+def layer1_ws_config() -> dict:
+    """Block config of the warp-specialized layer-1 GEMM (``kernels/moe_ws.py``, rows to their
+    slots; forward ``h @ w2^T`` and the backward's ``d gu @ w1``).
+    ``MOE_OVERLAP_L1_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one. Triton 3.6 ptxas at the
+    default (128x256x64, 3 stages, epilogue 184 / MMA 160 registers): no spills."""
+    return _ws_config("MOE_OVERLAP_L1_WS_CONFIG")
+
+
+def _ws_common_ok(a, w, layout: Layout, world: World) -> bool:
+    """What every warp-specialized kernel needs: one rank, a Hopper GPU, 16-bit operands of one
+    dtype, 128-row expert tiles (the two MMA warp groups cover 128 rows), contiguous TMA-aligned
+    operands, compiled (Gluon does not run in the interpreter)."""
+    if interpreted() or world.world_size != 1 or not a.is_cuda:
         return False
     if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
         return False
@@ -1120,18 +1140,18 @@ def _ws_common_ok(a, w, layout: Layout, world: World, act: str) -> bool:
         return False
     if a.shape[1] % 8 or not (_tma_usable(w) and a.is_contiguous()):
         return False
-    from ..kernels import moe_layer0_ws
+    from ..kernels import moe_ws
 
-    return moe_layer0_ws.HAVE_GLUON
+    return moe_ws.HAVE_GLUON
 
 
 def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) -> bool:
-    """Whether layer 0's forward takes the warp-specialized Gluon kernel: what
+    """Whether layer 0's forward takes the warp-specialized Gluon kernel: SwiGLU, what
     :func:`_ws_common_ok` says, no bias, no trace (its tiles record no timeline), int32-safe
     offsets. ``MOE_OVERLAP_L0_WS=0`` keeps the Triton kernel."""
     if tuning.getenv("MOE_OVERLAP_L0_WS") == "0" or bias is not None or trace is not None:
         return False
-    if not _ws_common_ok(x, w1, layout, world, act) or w1.dim() != 3:
+    if act != "swiglu" or not _ws_common_ok(x, w1, layout, world) or w1.dim() != 3:
         return False
     R, H = layout.rows_cap, x.shape[1]
     F = w1.shape[1] // 2
@@ -1141,12 +1161,12 @@ def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) ->
 
 
 def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> bool:
-    """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: what
+    """Whether the backward's dispatch GEMM takes the warp-specialized Gluon kernel: SwiGLU, what
     :func:`_ws_common_ok` says, the rows already gathered (its A operand comes by TMA), int32-safe
     offsets. ``MOE_OVERLAP_DACT_WS=0`` keeps the Triton kernel (A/B runs)."""
     if tuning.getenv("MOE_OVERLAP_DACT_WS") == "0" or a_rows is None:
         return False
-    if not _ws_common_ok(a_rows, w2, layout, world, act):
+    if act != "swiglu" or not _ws_common_ok(a_rows, w2, layout, world):
         return False
     R = a_rows.shape[0]
     F = w2.shape[2]
@@ -1155,9 +1175,39 @@ def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> b
     return True
 
 
+def _l1_ws_usable(h, w, layout: Layout, world: World, bias, trace, k_dim, n_out, stride_wk):
+    """Whether a layer-1 GEMM (``h [R, k_dim] @ B -> [., n_out]``, rows to their slots) takes
+    the warp-specialized Gluon kernel: what :func:`_ws_common_ok` says, no bias, no trace,
+    ``h`` exactly ``[rows_cap, k_dim]``, ``w`` contiguous as ``[El, n_out, k_dim]`` (K-major:
+    ``stride_wk`` 1) or ``[El, k_dim, n_out]``, TMA-aligned widths, int32-safe rows. Returns
+    ``None`` (not usable) or whether ``w`` is K-major. ``MOE_OVERLAP_L1_WS=0`` keeps Triton."""
+    if os.environ.get("MOE_OVERLAP_L1_WS") == "0" or bias is not None or trace is not None:
+        return None
+    if not _ws_common_ok(h, w, layout, world) or w.dim() != 3:
+        return None
+    R = layout.rows_cap
+    if tuple(h.shape) != (R, k_dim) or R == 0 or k_dim % 8 or n_out % 8:
+        return None
+    kmajor = stride_wk == 1
+    want = (n_out, k_dim) if kmajor else (k_dim, n_out)
+    if tuple(w.shape[1:]) != want or R * max(k_dim, n_out) >= 2**31:
+        return None
+    return kmajor
+
+
+def _launch_l1_ws(h, w, comb, row_slot, layout: Layout, world: World, kmajor: bool):
+    """The Gluon path of :func:`_launch_layer1`'s GEMM at one rank: rows into ``comb``."""
+    from ..kernels.moe_ws import rows_ws
+
+    cfg = layer1_ws_config()
+    n_n = -(-comb.shape[1] // cfg["BN"])
+    grid = max(1, min(layout.tiles_cap * n_n, getattr(world, "max_programs", 132)))
+    rows_ws(h, w, comb, row_slot, layout, cfg, grid, kmajor)
+
+
 def _launch_dact_ws(a_rows, w2, gu, layout: Layout, world: World, dw_slot):
     """The Gluon path of :func:`_bwd_dispatch` -> ``(d_gu [R, 2F], partials or None)``."""
-    from ..kernels.moe_layer0_ws import dact_swiglu_ws
+    from ..kernels.moe_ws import dact_swiglu_ws
 
     cfg = dact_ws_config()
     R, F = a_rows.shape[0], w2.shape[2]
@@ -1179,7 +1229,7 @@ def _bwd_dispatch(dy, layout, w2, world, wflat, row_scale, ws, gu, act, a_rows=N
     The backward and :func:`_warm_backward` both call this, so the warm-up compiles exactly the
     variants the backward launches. ``dw_slot``: see :func:`_launch_layer0`; returns
     ``(d_gu, partials or None)``. One rank on a Hopper GPU: the warp-specialized kernel of
-    ``kernels/moe_layer0_ws.py`` where :func:`_dact_ws_usable` allows it."""
+    ``kernels/moe_ws.py`` where :func:`_dact_ws_usable` allows it."""
     if _dact_ws_usable(a_rows, w2, gu, layout, world, act):
         return _launch_dact_ws(a_rows, w2, gu, layout, world, dw_slot)
     return _launch_layer0(

@@ -132,9 +132,9 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     "layer1" (which layer's time decides). Collective on ``world``.
 
     The candidates are the Triton kernels' blocks, so the warp-specialized Gluon kernels
-    (``kernels/moe_layer0_ws.py``, which take layer 0's GEMMs at one rank on Hopper and have
+    (``kernels/moe_ws.py``, which take both layers' GEMMs at one rank on Hopper and have
     configs of their own) are off while it times."""
-    with _env(MOE_OVERLAP_L0_WS="0", MOE_OVERLAP_DACT_WS="0"):
+    with _env(MOE_OVERLAP_L0_WS="0", MOE_OVERLAP_DACT_WS="0", MOE_OVERLAP_L1_WS="0"):
         return _tune(op, shape, dtype, world)
 
 

@@ -3,9 +3,11 @@
 python tests/gpu/ab_layers.py [preset ...]      # default qwen3-30b-a3b olmoe
 AB="NAME=VAR=VALUE[+VAR=VALUE] ..." (default: the switches of the current experiment) picks the
 variants. Per preset it times, in interleaved rounds (``triton.testing.do_bench`` medians, the
-median over rounds), ``torch._grouped_mm`` on layer 0's GEMM and on the backward's dispatch
-GEMM, then layer 0 (inference and with the saved pre-activations) and the backward's dispatch
-GEMM under every variant, and checks each variant's output against the first variant's.
+median over rounds), ``torch._grouped_mm`` on layer 0's GEMM, the backward's dispatch GEMM,
+layer 1's GEMM and the backward's combine GEMM, then layer 0 (inference and with the saved
+pre-activations) under every variant, and the backward's dispatch GEMM, layer 1 (GEMM and
+reduction) and the backward's combine under the first variant and those whose switches concern
+them; it checks each variant's output against the first variant's.
 """
 
 import os
@@ -20,9 +22,10 @@ from moe_overlap.experts import fused
 
 AB = os.environ.get("AB", "").split() or [
     "default=",
-    "triton=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_DACT_WS=0",
+    "triton=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_DACT_WS=0+MOE_OVERLAP_L1_WS=0",
+    "carry=MOE_OVERLAP_WS_CARRY=1",
+    "per-step=MOE_OVERLAP_WS_CARRY=0",
     "staged=MOE_OVERLAP_L0_STAGE=1",
-    "triton-staged=MOE_OVERLAP_L0_WS=0+MOE_OVERLAP_L0_STAGE=1",
 ]
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 CPU = os.environ.get("TRITON_INTERPRET") == "1"  # a logic check of this script, tiny and fp16
@@ -57,12 +60,16 @@ def run(name):
     offs = torch.cumsum(torch.bincount(ids.flatten(), minlength=E), 0).to(torch.int32)
     ends = layout.expert_start + (layout.expert_end - layout.expert_start + 127) // 128 * 128
     w1t = w1.transpose(1, 2)
+    w2t = w2.transpose(1, 2)
+    pends = ends.to(torch.int32)
+    h, _ = fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)
+    row_slot = fused._row_slots(layout, ws.slot)
+    d_gu = p.gu  # stands in for d gu: the combine's GEMM does not care what the rows hold
     cases = {
         "grouped_mm l0": (lambda: torch._grouped_mm(sorted_x, w1t, offs=offs), 4 * M * H * F),
-        "grouped_mm bwd-d": (
-            lambda: torch._grouped_mm(g_rows, w2, offs=ends.to(torch.int32)),
-            2 * M * H * F,
-        ),
+        "grouped_mm bwd-d": (lambda: torch._grouped_mm(g_rows, w2, offs=pends), 2 * M * H * F),
+        "grouped_mm l1": (lambda: torch._grouped_mm(h, w2t, offs=pends), 2 * M * H * F),
+        "grouped_mm bwd-c": (lambda: torch._grouped_mm(d_gu, w1, offs=pends), 4 * M * H * F),
     }
     var = variants()
     for vname, env in var:
@@ -79,18 +86,31 @@ def run(name):
             _set(env)
             return bwd_dispatch(p)
 
+        def l1(env=env):
+            _set(env)
+            return fused._fwd_layer1(h, layout, p.wflat, w2, world, None, row_slot, ws)[0]
+
+        def bwd_c(env=env):
+            _set(env)
+            return fused._bwd_combine(d_gu, layout, w1, world, row_slot, ws, H)
+
         cases[f"layer0 {vname}"] = (l0, 4 * M * H * F)
         cases[f"layer0+gu {vname}"] = (l0_train, 4 * M * H * F)
         named = [k for k, v in env.items() if v is not None]
-        if any("L0B" in k or "DACT" in k for k in named) or vname == var[0][0]:
+        first_var = vname == var[0][0]
+        if any(w in k for k in named for w in ("L0B", "DACT", "CARRY")) or first_var:
             cases[f"bwd-d {vname}"] = (bwd_d, 2 * M * H * F)
+        if any(w in k for k in named for w in ("L1", "COMBINE", "CARRY")) or first_var:
+            cases[f"layer1 {vname}"] = (l1, 2 * M * H * F)
+            cases[f"bwd-c {vname}"] = (bwd_c, 4 * M * H * F)
     real = layout.row_tok >= 0
     first = {}
     for cname, (fn, _) in cases.items():
         if cname.startswith("grouped_mm") or (CPU and "grouped_mm" in cname):
             continue
         kind = cname.split()[0]
-        out = fn()[real].float()
+        out = fn()
+        out = (out[real] if kind in ("layer0", "layer0+gu", "bwd-d") else out).float()
         if kind not in first:
             first[kind] = out
         else:
@@ -104,7 +124,9 @@ def run(name):
     print(f"== {name} (M {M}, {ROUNDS} rounds)")
     for cname, (_, flop) in cases.items():
         ms = statistics.median(times[cname])
-        ref = "grouped_mm bwd-d" if cname.startswith("bwd-d") else "grouped_mm l0"
+        kind = cname.split()[0]
+        ref = {"bwd-d": "grouped_mm bwd-d", "layer1": "grouped_mm l1", "bwd-c": "grouped_mm bwd-c"}
+        ref = ref.get(kind, "grouped_mm l0")
         r = statistics.median(times[ref]) / ms
         spread = " ".join(f"{t:.3f}" for t in times[cname])
         print(f"  {cname:28s} {ms:.3f} ms {flop / ms / 1e9:4.0f} TFLOP/s {r:.3f}x  ({spread})")

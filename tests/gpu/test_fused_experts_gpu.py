@@ -299,7 +299,7 @@ def test_forward_backward_weights_grad_from_epilogue(act, cfg, monkeypatch):
     check(prob, [fn(local_world(device))], device, backward=True, tag=f"{act} {cfg}")
 
 
-# The backward's dispatch GEMM in the warp-specialized Gluon kernel (kernels/moe_layer0_ws.py):
+# The backward's dispatch GEMM in the warp-specialized Gluon kernel (kernels/moe_ws.py):
 # one rank, SwiGLU, Hopper. Ragged column tiles (F 1000 / 1408 / 200 at BN 256), K not a multiple
 # of BK (H 200), an expert with no tokens, every token on one expert, top-k 1 and 8, dropped
 # assignments, the weights' gradient from its epilogue partials and without them.
@@ -342,9 +342,9 @@ def _ws_problem(spec):
     return prob
 
 
-def _check_ws_fwd_bwd(spec, launcher, tag, monkeypatch):
+def _check_ws_fwd_bwd(spec, launcher, tag, monkeypatch, n_calls=None):
     """Forward+backward of ``_ws_problem(spec)`` at one rank against the float64 reference;
-    ``launcher`` (a ``fused`` function) must have run."""
+    ``launcher`` (a ``fused`` function) must have run (``n_calls`` times, where given)."""
     prob = _ws_problem(spec)
     device = torch.device("cuda", torch.cuda.current_device())
     calls = _spy(monkeypatch, launcher)
@@ -353,6 +353,7 @@ def _check_ws_fwd_bwd(spec, launcher, tag, monkeypatch):
     y = call(lv, d["ids"].to(device), local_world(device), "swiglu")
     (y * d["gy"].to(device)).sum().backward()
     assert calls, f"{launcher} did not run"
+    assert n_calls is None or len(calls) == n_calls, (launcher, len(calls))
     got = [(y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})]
     check(prob, got, device, backward=True, tag=tag)
 
@@ -443,6 +444,85 @@ def test_wgrad_kernel_equals_grouped_mm(cfg, monkeypatch):
     got = fused._grouped_wgrad(a, b, p.layout, BF16, p.world)
     assert not torch.isnan(got).any()
     assert_close(got, want, dtype=BF16, name="wgrad")
+
+
+# Layer 1's GEMMs in the same Gluon kernel (its rows mode): the forward (h @ w2^T, K-major
+# weight tiles) and the backward's combine (d gu @ w1), rows stored at their slots; with the
+# other Gluon kernels on (the default) and off.
+L1_WS_CONFIGS = [None, "128,64,4,8,152", "64,64,4,8,128"]
+
+
+@pytest.mark.parametrize(
+    "cfg, others",
+    [(c, "1") for c in L1_WS_CONFIGS] + [(None, "0")],
+    ids=lambda v: v or "default",
+)
+@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+def test_forward_backward_layer1_warp_specialized(spec, cfg, others, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS", others)
+    monkeypatch.setenv("MOE_OVERLAP_DACT_WS", others)
+    if cfg:
+        monkeypatch.setenv("MOE_OVERLAP_L1_WS_CONFIG", cfg)
+    tag = f"l1 ws {spec} {cfg} others {others}"
+    _check_ws_fwd_bwd(spec, "_launch_l1_ws", tag, monkeypatch, n_calls=2)
+
+
+@pytest.mark.parametrize("carry", ["0", "1"])
+def test_ws_kernels_either_load_path(carry, monkeypatch):
+    # MOE_OVERLAP_WS_CARRY switches every Gluon kernel's load-position path (A/B knob): both
+    # paths give the reference, through all three kernels in one step
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", carry)
+    for spec in (DACT_WS[2], DACT_WS[6]):
+        _check_ws_fwd_bwd(spec, "_launch_l1_ws", f"carry {carry} {spec}", monkeypatch, 2)
+
+
+@pytest.mark.parametrize("which", ["forward", "combine"])
+def test_layer1_warp_specialized_equals_triton_kernel(which, monkeypatch):
+    # Same inputs through both layer-1 GEMMs (then the same reduction): the rows stored at their
+    # slots equal to bf16 rounding, slots no row names left untouched, y likewise.
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
+
+    p = problem("olmoe", shape=(2048, 1024, 768, 16, 8))
+    row_slot = fused._row_slots(p.layout, p.ws.slot)
+    if which == "forward":
+        h, _ = fused._fwd_layer0(p.x, p.layout, p.w1, p.world, "swiglu", None, p.ws)
+        a, w, k_dim, swn, swk = h, p.w2, p.F, p.w2.stride(1), p.w2.stride(2)
+        wflat = p.wflat
+    else:
+        a, w, k_dim, swn, swk = p.gu, p.w1, 2 * p.F, p.w1.stride(2), p.w1.stride(1)
+        wflat = None
+    assert fused._l1_ws_usable(a, w, p.layout, p.world, None, None, k_dim, p.H, swk) is (
+        which == "forward"
+    )
+
+    def run():
+        return fused._launch_layer1(a, p.layout, w, p.world, None, wflat, row_slot, p.ws,
+                                    k_dim=k_dim, n_out=p.H, stride_wn=swn, stride_wk=swk,
+                                    save_o=True)  # fmt: skip
+
+    monkeypatch.setenv("MOE_OVERLAP_L1_WS", "0")
+    ref_y, ref_o = run()
+    monkeypatch.delenv("MOE_OVERLAP_L1_WS")
+    calls = _spy(monkeypatch, "_launch_l1_ws")
+    # poison: the caching allocator hands this NaN block back as the GEMM's row buffer, so a
+    # kept slot the kernel leaves unwritten shows up in y
+    poison = torch.full_like(ref_o, float("nan"))
+    del poison
+    got_y, got_o = run()
+    assert calls
+    kept = p.layout.slot_of.view(-1)
+    kept = kept[kept >= 0].long()
+    assert kept.numel() > 0
+    assert_close(got_o[kept], ref_o[kept], dtype=BF16, name=f"{which} rows")
+    assert_close(got_y, ref_y, dtype=BF16, name=f"{which} y")
+    assert not torch.isnan(got_y).any()
 
 
 @pytest.mark.parametrize("save_gu", [False, True])
@@ -624,7 +704,7 @@ def test_put_transport_equals_store_transport(W, per_node):
 
 
 # ------------------------------------------------------------------------------ CUDA graphs
-# without a bias and at 2F >= 2048, the Gluon forward (kernels/moe_layer0_ws.py, on Hopper) on
+# without a bias and at 2F >= 2048, the Gluon forward (kernels/moe_ws.py, on Hopper) on
 # rows staged into the workspace is what the graph captures
 @pytest.mark.parametrize("bias, F", [(True, 1000), (False, 1024)], ids=["bias", "no-bias"])
 def test_cuda_graph_capture_replays_with_new_inputs(bias, F, monkeypatch):
@@ -688,7 +768,7 @@ def test_cuda_graph_capture_replays_with_new_inputs(bias, F, monkeypatch):
         assert torch.equal(static_y, eager), "graph replay differs from eager"
         ys, _, _ = reference(p, device)
         assert_close(static_y, ys[0], dtype=BF16, name="graph replay y")
-    from moe_overlap.kernels.moe_layer0_ws import HAVE_GLUON
+    from moe_overlap.kernels.moe_ws import HAVE_GLUON
 
     hopper = torch.cuda.get_device_capability(device)[0] == 9
     want = hopper and HAVE_GLUON and not bias

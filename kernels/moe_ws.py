@@ -1,24 +1,35 @@
-"""Layer 0's grouped GEMM at one rank, warp-specialized (Hopper, Gluon): the SwiGLU forward
-and the backward's dispatch GEMM.
+"""The MoE grouped GEMMs at one rank, warp-specialized (Hopper, Gluon): layer 0's SwiGLU
+forward, the backward's dispatch GEMM, and layer 1's GEMMs (forward and the backward's combine).
 
 * forward (``FWD``): ``h = silu(gate) * up`` with ``[gate | up] = x[rows] @ w1[l]^T``, and with
   ``SAVE_GU`` the gate/up pre-activations for the backward, as ``_layer0_kernel`` does with
   ``ACT`` SwiGLU (see ``moe_layer0.py``);
 * backward: ``d gu = dact(gu) * ((dy * w)[rows] @ w2[l])``: the GEMM of layer 1's backward
   (``d h``) with SwiGLU's derivative at the saved pre-activations in its epilogue, as
-  ``_layer0_kernel`` does with ``DACT`` = 0,
+  ``_layer0_kernel`` does with ``DACT`` = 0;
+* rows (``ROWS``): ``out[slot[r]] = a[r] @ B[l]``, each row stored at its slot for the
+  reduction that follows, as ``moe_layer1._layer1_gemm_kernel`` does at one rank: layer 1's
+  forward (``h @ w2[l]^T``; ``w2`` viewed ``[El * H, F]``, ``[BN, BK]`` K-major boxes,
+  ``B_KMAJOR``) and the backward's combine (``d gu @ w1[l]``; ``w1`` viewed ``[El * 2F, H]``,
+  ``[BK, BN]`` boxes),
 
-each with the epilogue off the tensor cores' path.
+each with the epilogue off the tensor cores' path. In the kernel, ``KD`` is the contraction
+(x's H, layer 1's F or 2F) and ``N`` the output columns (F; layer 1's H).
 
-When it wins: one rank, SwiGLU, a Hopper GPU (the host takes it there; ``fused._l0_ws_usable``
-and ``fused._dact_ws_usable`` say exactly when). The backward's epilogue reads the saved gate and
-up tiles and writes ``d gu`` (8 bytes per output element against ``2 H`` FLOPs); in the
-one-partition Triton kernel it runs between two main loops, so the tensor cores idle while it
-waits on memory: 1.05 ms at qwen3-30b-a3b where ``torch._grouped_mm`` does the bare GEMM in 0.78
-(H200, 2026-12-04; an L2 prefetch of the tile, more column slices, two programs per SM and
-Triton 3.6's automatic warp specialization, which gave wrong results, did not close it). The
-forward's epilogue only stores (``h``, and ``gu`` in training): here it wins less, a few percent
-where its rows are gathered anyway (training) or staging them pays (olmoe; see below).
+When it wins: one rank, a Hopper GPU (the host takes it there; ``fused._l0_ws_usable``,
+``fused._dact_ws_usable`` and ``fused._l1_ws_usable`` say exactly when). Layer 1 is not
+measured yet (written 2026-12-04 without a GPU): its epilogue only stores, as the forward's
+does, but its contraction is short at the fine-grained shapes (F 768 at qwen3-30b-a3b: 12 K
+steps a tile), so the Triton kernel's epilogue between two main loops costs it more.
+
+The backward's epilogue reads the saved gate and up tiles and writes ``d gu`` (8 bytes per
+output element against ``2 H`` FLOPs); in the one-partition Triton kernel it runs between two
+main loops, so the tensor cores idle while it waits on memory: 1.05 ms at qwen3-30b-a3b where
+``torch._grouped_mm`` does the bare GEMM in 0.78 (H200, 2026-12-04; an L2 prefetch of the tile,
+more column slices, two programs per SM and Triton 3.6's automatic warp specialization, which
+gave wrong results, did not close it). The forward's epilogue only stores (``h``, and ``gu`` in
+training): here it wins less, a few percent where its rows are gathered anyway (training) or
+staging them pays (olmoe; see below).
 
 The forward's A rows must be contiguous for TMA (Hopper's TMA cannot gather): the training
 forward gathers them anyway for the wgrad; inference stages them into the workspace first.
@@ -40,7 +51,8 @@ How (one persistent program per SM, two partitions, 12 warps):
   wgmma in flight, and refills a stage once the wgmma that read it is done. At a tile's end it
   rounds the accumulator to the input dtype into ``c_smem [BM, BN]`` (once ``c_empty`` says the
   epilogue has read the previous one) and signals ``c_ready``.
-* *epilogue* (4 warps). Forward: per ``[16, 64]`` piece of each half of ``c_smem``, stores
+* *epilogue* (4 warps). Rows: per ``[16, 64]`` piece of ``c_smem``, stores the rows at their
+  slots (loaded a tile ahead). Forward: per ``[16, 64]`` piece of each half of ``c_smem``, stores
   ``h`` (and gate, up), zeros on padding rows. Backward: per ``[16, 64]`` piece of ``c_smem``,
   with the saved gate and up (loaded a row chunk ahead, across tiles too), writes
   ``d gate = dh * up * silu'(gate)`` and ``d up = dh * silu(gate)`` (zeros on padding rows),
@@ -127,8 +139,8 @@ if HAVE_GLUON:
         n_tiles_ptr: gl.tensor
         dw_ptr: gl.tensor
         dw_slot_ptr: gl.tensor
-        H: gl.tensor
-        F: gl.tensor
+        KD: gl.tensor
+        N: gl.tensor
         stride_pm: gl.tensor
         stride_om: gl.tensor
         BM: gl.constexpr
@@ -138,6 +150,9 @@ if HAVE_GLUON:
         DW: gl.constexpr
         FWD: gl.constexpr
         SAVE_GU: gl.constexpr
+        ROWS: gl.constexpr
+        B_KMAJOR: gl.constexpr
+        CARRY: gl.constexpr
         MMA_WARPS: gl.constexpr
         EPI_WARPS: gl.constexpr
 
@@ -159,8 +174,8 @@ if HAVE_GLUON:
             n_tiles_ptr,
             dw_ptr,
             dw_slot_ptr,
-            H,
-            F,
+            KD,
+            N,
             stride_pm,
             stride_om,
             BM,
@@ -170,6 +185,9 @@ if HAVE_GLUON:
             DW,
             FWD,
             SAVE_GU,
+            ROWS,
+            B_KMAJOR,
+            CARRY,
             MMA_WARPS,
             EPI_WARPS,
         ):
@@ -188,8 +206,8 @@ if HAVE_GLUON:
             self.n_tiles_ptr = n_tiles_ptr
             self.dw_ptr = dw_ptr
             self.dw_slot_ptr = dw_slot_ptr
-            self.H = H
-            self.F = F
+            self.KD = KD
+            self.N = N
             self.stride_pm = stride_pm
             self.stride_om = stride_om
             self.BM = gl.constexpr(BM)
@@ -199,6 +217,9 @@ if HAVE_GLUON:
             self.DW = gl.constexpr(DW)
             self.FWD = gl.constexpr(FWD)
             self.SAVE_GU = gl.constexpr(SAVE_GU)
+            self.ROWS = gl.constexpr(ROWS)
+            self.B_KMAJOR = gl.constexpr(B_KMAJOR)
+            self.CARRY = gl.constexpr(CARRY)
             self.MMA_WARPS = gl.constexpr(MMA_WARPS)
             self.EPI_WARPS = gl.constexpr(EPI_WARPS)
 
@@ -257,21 +278,28 @@ if HAVE_GLUON:
             # the next expert's): those only feed output columns >= F, which are never stored.
             NB: gl.constexpr = p.BN // 2
             nbytes: gl.constexpr = p.a_desc.block_type.nbytes + 2 * p.b_desc.block_type.nbytes
-            brow = le * (2 * p.F) + nt * NB
+            brow = le * (2 * p.N) + nt * NB
             b = p.b_bufs.index(s)
             mbarrier.expect(p.ready.index(s), nbytes, pred=go)
             _tma_load(p.a_desc, [r0, kk * p.BK], p.ready.index(s), p.a_bufs.index(s), pred=go)
             _tma_load(p.b_desc, [brow, kk * p.BK], p.ready.index(s), b.slice(0, NB, dim=0),
                       pred=go)  # fmt: skip
-            _tma_load(p.b_desc, [brow + p.F, kk * p.BK], p.ready.index(s), b.slice(NB, NB, dim=0),
+            _tma_load(p.b_desc, [brow + p.N, kk * p.BK], p.ready.index(s), b.slice(NB, NB, dim=0),
                       pred=go)  # fmt: skip
         else:
-            # A columns past H are TMA's zero fill, so B rows read past the expert meet zeros
             nbytes2: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
             mbarrier.expect(p.ready.index(s), nbytes2, pred=go)
             _tma_load(p.a_desc, [r0, kk * p.BK], p.ready.index(s), p.a_bufs.index(s), pred=go)
-            _tma_load(p.b_desc, [le * p.H + kk * p.BK, nt * p.BN], p.ready.index(s),
-                      p.b_bufs.index(s), pred=go)  # fmt: skip
+            if p.B_KMAJOR:
+                # w viewed [El * N, KD] (layer 1's w2): the tile's N rows. Columns past KD are
+                # TMA's zero fill; rows past the expert only feed output columns >= N (unstored)
+                _tma_load(p.b_desc, [le * p.N + nt * p.BN, kk * p.BK], p.ready.index(s),
+                          p.b_bufs.index(s), pred=go)  # fmt: skip
+            else:
+                # w viewed [El * KD, N]. A columns past KD are TMA's zero fill, so B rows read
+                # past the expert meet zeros
+                _tma_load(p.b_desc, [le * p.KD + kk * p.BK, nt * p.BN], p.ready.index(s),
+                          p.b_bufs.index(s), pred=go)  # fmt: skip
 
     @gluon.jit
     def _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k):
@@ -290,11 +318,12 @@ if HAVE_GLUON:
         """Default partition: issues the loads STAGES - 1 steps ahead and the wgmmas; hands
         each finished tile to the epilogue through ``c_smem``.
 
-        Where the loads' positions come from differs by mode, as measured (H200, ab_layers,
-        2026-12-04): the forward carries them from step to step and loads a tile's expert one
-        tile ahead (qwen3-30b-a3b 1.686 -> 1.625 ms, olmoe 2.045 -> 1.970, against a load
-        between every two wgmmas); the backward, the same change made slower (0.906 -> 0.969,
-        1.144 -> 1.223 ms), so it keeps the per-step load (:func:`_issue_at`).
+        Where the loads' positions come from is ``CARRY``'s choice, as measured (H200,
+        ab_layers, 2026-12-04, with the drain below): the forward carries them from step to
+        step and loads a tile's expert one tile ahead (qwen3-30b-a3b 1.686 -> 1.625 ms, olmoe
+        2.045 -> 1.970, against a load between every two wgmmas); the backward's dispatch GEMM,
+        the same change made slower (0.906 -> 0.969, 1.144 -> 1.223 ms), so it keeps the
+        per-step load (:func:`_issue_at`); layer 1 carries (not measured yet).
 
         The K loop sits inside the tile loop. As one flat loop with the tile's end under an
         ``if`` (the first version, every number above), ptxas (12.8 and 13.4, sm_90a) drained
@@ -310,15 +339,15 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         n_m = gl.load(p.n_tiles_ptr)
-        n_n = gl.cdiv(p.F, _cols_per_tile(p.BN, p.FWD))
-        n_k = gl.cdiv(p.H, p.BK)
+        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
+        n_k = gl.cdiv(p.KD, p.BK)
         n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
         r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
         r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
         zero = pid * 0
         st = (zero, zero, r0, nt, le, r0n, ntn, len_)
         for ip in gl.static_range(STAGES - 1):
-            if p.FWD:
+            if p.CARRY:
                 _issue(p, ip, n_iter, st)
                 st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
             else:
@@ -329,7 +358,7 @@ if HAVE_GLUON:
             for kk in range(n_k):
                 s = ic % STAGES
                 mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
-                if p.FWD:  # K-major weight tiles: the transposed view, as wgmma reads it
+                if p.B_KMAJOR:  # K-major weight tiles: the transposed view, as wgmma reads it
                     acc = warpgroup_mma(
                         p.a_bufs.index(s),
                         p.b_bufs.index(s).permute((1, 0)),
@@ -343,7 +372,7 @@ if HAVE_GLUON:
                     )
                 # step ic - 1's wgmma is done: its stage takes step ic + STAGES - 1
                 acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-                if p.FWD:
+                if p.CARRY:
                     _issue(p, ic + STAGES - 1, n_iter, st)
                     st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
                 else:
@@ -374,10 +403,10 @@ if HAVE_GLUON:
         us = ()
         for ch in gl.static_range(p.BN // SUB):
             cols = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
-            m2 = keep[:, None] & (cols < p.F)[None, :]
+            m2 = keep[:, None] & (cols < p.N)[None, :]
             src = p.pre_ptr + (rows[:, None] * p.stride_pm + cols[None, :])
             gs = gs + (gl.load(src, mask=m2, other=0.0),)
-            us = us + (gl.load(src + p.F, mask=m2, other=0.0),)
+            us = us + (gl.load(src + p.N, mask=m2, other=0.0),)
         return gs, us
 
     @gluon.jit
@@ -394,7 +423,7 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         n_m = gl.load(p.n_tiles_ptr)
-        n_n = gl.cdiv(p.F, p.BN)
+        n_n = gl.cdiv(p.N, p.BN)
         total = n_m * n_n
         r0, nt, end = _tile_rows(p, pid, n_m, n_n, total)
         nxt = _load_pre(p, r0, 0, nt, end, ROWS, COLS)
@@ -417,7 +446,7 @@ if HAVE_GLUON:
                     g = gs[ch].to(gl.float32)
                     u = us[ch].to(gl.float32)
                     cols = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
-                    cm = cols < p.F
+                    cm = cols < p.N
                     sg = 1.0 / (1.0 + gl.exp(-g))
                     # masked loads gave g = u = 0 on padding rows: both derivatives are 0 there
                     d_g = h * u * sg * (1.0 + g * (1.0 - sg))
@@ -425,7 +454,7 @@ if HAVE_GLUON:
                     dst = p.out_ptr + (rows[:, None] * p.stride_om + cols[None, :])
                     sm = (rows >= 0)[:, None] & cm[None, :]
                     gl.store(dst, d_g.to(dt), mask=sm)
-                    gl.store(dst + p.F, d_u.to(dt), mask=sm)
+                    gl.store(dst + p.N, d_u.to(dt), mask=sm)
                     if p.DW:
                         part += gl.sum(d_u * u, axis=1)
                 if p.DW:
@@ -454,7 +483,7 @@ if HAVE_GLUON:
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         n_m = gl.load(p.n_tiles_ptr)
-        n_n = gl.cdiv(p.F, NB)
+        n_n = gl.cdiv(p.N, NB)
         total = n_m * n_n
         j = 0
         for t in range(pid, total, nprog):
@@ -472,21 +501,69 @@ if HAVE_GLUON:
                     g = gl.where(keep, g, 0.0)
                     u = gl.where(keep, u, 0.0)
                     cols = nt * NB + ch * SUB + gl.arange(0, SUB, layout=COLS)
-                    sm = (rows >= 0)[:, None] & (cols < p.F)[None, :]
+                    sm = (rows >= 0)[:, None] & (cols < p.N)[None, :]
                     hv = g / (1.0 + gl.exp(-g)) * u
                     gl.store(p.out_ptr + (rows[:, None] * p.stride_om + cols[None, :]),
                              hv.to(dt), mask=sm)  # fmt: skip
                     if p.SAVE_GU:
                         dst = p.pre_ptr + (rows[:, None] * p.stride_pm + cols[None, :])
                         gl.store(dst, g.to(dt), mask=sm)
-                        gl.store(dst + p.F, u.to(dt), mask=sm)
+                        gl.store(dst + p.N, u.to(dt), mask=sm)
             # every warp of this partition has read c_smem before the MMA partition rewrites it
             _partition_barrier()
             mbarrier.arrive(p.c_empty)
             j += 1
 
     @gluon.jit
-    def _layer0_ws_kernel(
+    def _tile_slots(p, r0, end, ROWS: gl.constexpr):
+        """The slots of a tile's rows, one ``[SUB_R]`` vector per row chunk (-1 past ``end``)."""
+        slots = ()
+        for rc in gl.static_range(p.BM // SUB_R):
+            rows = r0 + rc * SUB_R + gl.arange(0, SUB_R, layout=ROWS)
+            slots = slots + (gl.load(p.dw_slot_ptr + rows, mask=rows < end, other=-1),)
+        return slots
+
+    @gluon.jit
+    def _epilogue_rows(p):
+        """Worker partition of the layer-1 kind (``ROWS``): each row of the tile goes to its
+        slot, ``out[slot[r], cols] = c[r, cols]``; padding rows and dropped slots are never
+        written. The next tile's slots are loaded before this one's are stored, so the stores
+        never wait on a load."""
+        EL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [p.EPI_WARPS, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, EL)
+        COLS: gl.constexpr = gl.SliceLayout(0, EL)
+        NR: gl.constexpr = p.BM // SUB_R
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.N, p.BN)
+        total = n_m * n_n
+        r0, nt, end = _tile_rows(p, pid, n_m, n_n, total)
+        slots = _tile_slots(p, r0, end, ROWS)
+        j = 0
+        for t in range(pid, total, nprog):
+            r0n, ntn, endn = _tile_rows(p, t + nprog, n_m, n_n, total)
+            nxt = _tile_slots(p, r0n, endn, ROWS)
+            mbarrier.wait(p.c_ready, j & 1)
+            for rc in gl.static_range(NR):
+                sl = slots[rc]
+                dst = p.out_ptr + sl.to(gl.int64)[:, None] * p.stride_om
+                for ch in gl.static_range(p.BN // SUB):
+                    v = p.c_smem.slice(rc * SUB_R, SUB_R, dim=0).slice(ch * SUB, SUB, dim=1)
+                    cols = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
+                    sm = (sl >= 0)[:, None] & (cols < p.N)[None, :]
+                    gl.store(dst + cols[None, :], v.load(EL), mask=sm)
+            # every warp of this partition has read c_smem before the MMA partition rewrites it
+            _partition_barrier()
+            mbarrier.arrive(p.c_empty)
+            r0 = r0n
+            nt = ntn
+            end = endn
+            slots = nxt
+            j += 1
+
+    @gluon.jit
+    def _moe_ws_kernel(
         a_desc,
         b_desc,
         pre_ptr,
@@ -496,8 +573,8 @@ if HAVE_GLUON:
         n_tiles_ptr,
         dw_ptr,
         dw_slot_ptr,
-        H,
-        F,
+        KD,
+        N,
         stride_pm,
         stride_om,
         BM: gl.constexpr,
@@ -508,13 +585,16 @@ if HAVE_GLUON:
         DW: gl.constexpr,
         FWD: gl.constexpr,
         SAVE_GU: gl.constexpr,
+        ROWS: gl.constexpr,
+        B_KMAJOR: gl.constexpr,
+        CARRY: gl.constexpr,
         EPI_WARPS: gl.constexpr,
         EPI_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         dt: gl.constexpr = a_desc.dtype
         a_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], a_desc.layout)
-        if FWD:  # K-major weight tiles, gate rows then up rows
+        if B_KMAJOR:  # K-major weight tiles (the forward's: gate rows then up rows)
             b_bufs = gl.allocate_shared_memory(dt, [STAGES, BN, BK], b_desc.layout)
         else:
             b_bufs = gl.allocate_shared_memory(dt, [STAGES, BK, BN], b_desc.layout)
@@ -529,10 +609,12 @@ if HAVE_GLUON:
         mbarrier.init(c_empty, count=1)
         p = _Args(a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, c_ready, c_empty,
                   pre_ptr, out_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, dw_ptr, dw_slot_ptr,
-                  H, F, stride_pm, stride_om, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, num_warps,
-                  EPI_WARPS)  # fmt: skip
+                  KD, N, stride_pm, stride_om, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, ROWS,
+                  B_KMAJOR, CARRY, num_warps, EPI_WARPS)  # fmt: skip
         if FWD:
             gl.warp_specialize([(_mma, (p,)), (_epilogue_fwd, (p,))], [EPI_WARPS], [EPI_REGS])
+        elif ROWS:
+            gl.warp_specialize([(_mma, (p,)), (_epilogue_rows, (p,))], [EPI_WARPS], [EPI_REGS])
         else:
             gl.warp_specialize([(_mma, (p,)), (_epilogue, (p,))], [EPI_WARPS], [EPI_REGS])
 
@@ -541,9 +623,16 @@ def _gl_dtype(t):
     return {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16}[str(t.dtype)]
 
 
-def _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs, fwd, save_gu):
+def _launch(a_desc, b_desc, pre, out, layout, dw, slot, KD, N, cfg, n_programs, mode, save=False):
+    """One launch of :func:`_moe_ws_kernel`. ``mode``: "swiglu" (``save``: gate/up too),
+    "dact", "rows" (weights ``[El, KD, N]``) or "rows_t" (``[El, N, KD]``, K-major tiles).
+    ``cfg["CARRY"]``, where set, picks the load-position path (:func:`_mma`) for every mode; by
+    default only the backward's dispatch GEMM loads its position per step."""
     DW = dw is not None
-    _layer0_ws_kernel[(n_programs,)](
+    fwd = mode == "swiglu"
+    rows = mode in ("rows", "rows_t")
+    carry = cfg.get("CARRY")
+    _moe_ws_kernel[(n_programs,)](
         a_desc,
         b_desc,
         pre,
@@ -552,9 +641,9 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs
         layout.expert_end,
         layout.n_tiles,
         dw if DW else out,
-        dw_slot if DW else layout.row_local_expert,
-        H,
-        F,
+        slot if slot is not None else layout.row_local_expert,
+        KD,
+        N,
         pre.stride(0),
         out.stride(0),
         BM=cfg["BM"],
@@ -564,7 +653,10 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs
         GROUP_M=cfg["GM"],
         DW=DW,
         FWD=fwd,
-        SAVE_GU=save_gu,
+        SAVE_GU=save,
+        ROWS=rows,
+        B_KMAJOR=fwd or mode == "rows_t",
+        CARRY=bool(carry) if carry is not None else mode != "dact",
         EPI_WARPS=4,
         EPI_REGS=cfg["EPI_REGS"],
         num_warps=8,
@@ -573,7 +665,7 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs
 
 
 def swiglu_ws(a_rows, w1, h, gu, layout, cfg: dict, n_programs: int):
-    """Launch :func:`_layer0_ws_kernel`'s forward: ``h = silu(gate) * up`` of
+    """Launch :func:`_moe_ws_kernel`'s forward: ``h = silu(gate) * up`` of
     ``a_rows @ w1[l]^T`` per local expert.
 
     a_rows  ``[R, H]``: the gathered x rows (padding rows zero), bf16 / fp16.
@@ -595,12 +687,12 @@ def swiglu_ws(a_rows, w1, h, gu, layout, cfg: dict, n_programs: int):
     b_desc = TensorDescriptor.from_tensor(w1.view(El * F2, H), [BN // 2, BK], b_lay)
     save = gu is not None
     _launch(a_desc, b_desc, gu if save else h, h, layout, None, None, H, F2 // 2, cfg,
-            n_programs, True, save)  # fmt: skip
+            n_programs, "swiglu", save)  # fmt: skip
     return h
 
 
 def dact_swiglu_ws(a_rows, w2, pre, out, layout, dw, dw_slot, cfg: dict, n_programs: int):
-    """Launch :func:`_layer0_ws_kernel`'s backward (``d gu``).
+    """Launch :func:`_moe_ws_kernel`'s backward (``d gu``).
 
     a_rows  ``[R, H]``: the gathered rows ``dy * w`` (padding rows zero), bf16 / fp16.
     w2      ``[El, H, F]`` contiguous, same dtype.
@@ -618,8 +710,42 @@ def dact_swiglu_ws(a_rows, w2, pre, out, layout, dw, dw_slot, cfg: dict, n_progr
     b_lay = gl.NVMMASharedLayout.get_default_for([BK, BN], gdt)
     a_desc = TensorDescriptor.from_tensor(a_rows, [BM, BK], a_lay)
     b_desc = TensorDescriptor.from_tensor(w2.view(El * H, F), [BK, BN], b_lay)
-    _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs, False, False)
+    _launch(a_desc, b_desc, pre, out, layout, dw, dw_slot, H, F, cfg, n_programs, "dact")
     return out
 
 
-__all__ = ["HAVE_GLUON", "dact_swiglu_ws", "swiglu_ws"]
+def rows_ws(a_rows, w, out, row_slot, layout, cfg: dict, n_programs: int, w_kmajor: bool):
+    """Launch :func:`_moe_ws_kernel`'s layer-1 kind: ``out[row_slot[r]] = a_rows[r] @ B[l(r)]``
+    for every row ``r`` of an expert's tiles (padding rows are never stored).
+
+    a_rows    ``[R, KD]`` contiguous, bf16 / fp16: layer 1's ``h`` or the backward's ``d gu``
+              (rows in receive order).
+    w         contiguous, same dtype. ``w_kmajor``: ``[El, N, KD]``, ``B[l] = w[l]^T`` (layer
+              1's ``w2 [El, H, F]``); else ``[El, KD, N]``, ``B[l] = w[l]`` (the backward's
+              combine with ``w1 [El, 2F, H]``).
+    out       ``[S, N]``: row ``row_slot[r]`` gets row ``r``'s product rounded to the dtype;
+              rows no slot names are left as they were.
+    row_slot  ``[R]`` int32, the slot of each receive row (-1: not stored).
+    layout    the one-rank :class:`Layout` (``row_local_expert``, ``expert_end``, ``n_tiles``).
+    cfg       ``BM`` (the layout's), ``BN``, ``BK``, ``STAGES``, ``GM``, ``EPI_REGS``,
+              ``MAXNREG`` (``CARRY`` optional).
+    """
+    R, KD = a_rows.shape
+    N = out.shape[1]
+    El = w.shape[0]
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    gdt = _gl_dtype(a_rows)
+    a_lay = gl.NVMMASharedLayout.get_default_for([BM, BK], gdt)
+    a_desc = TensorDescriptor.from_tensor(a_rows, [BM, BK], a_lay)
+    if w_kmajor:
+        b_lay = gl.NVMMASharedLayout.get_default_for([BN, BK], gdt)
+        b_desc = TensorDescriptor.from_tensor(w.view(El * N, KD), [BN, BK], b_lay)
+    else:
+        b_lay = gl.NVMMASharedLayout.get_default_for([BK, BN], gdt)
+        b_desc = TensorDescriptor.from_tensor(w.view(El * KD, N), [BK, BN], b_lay)
+    mode = "rows_t" if w_kmajor else "rows"
+    _launch(a_desc, b_desc, out, out, layout, None, row_slot, KD, N, cfg, n_programs, mode)
+    return out
+
+
+__all__ = ["HAVE_GLUON", "dact_swiglu_ws", "rows_ws", "swiglu_ws"]
