@@ -297,7 +297,8 @@ if HAVE_GLUON:
                           p.b_bufs.index(s), pred=go)  # fmt: skip
             else:
                 # w viewed [El * KD, N]. A columns past KD are TMA's zero fill, so B rows read
-                # past the expert meet zeros
+                # past the expert (the next expert's) meet zeros: finite weights assumed, as a
+                # NaN there would still poison this expert's rows (0 * NaN)
                 _tma_load(p.b_desc, [le * p.KD + kk * p.BK, nt * p.BN], p.ready.index(s),
                           p.b_bufs.index(s), pred=go)  # fmt: skip
 

@@ -1138,7 +1138,7 @@ def _ws_common_ok(a, w, layout: Layout, world: World) -> bool:
         return False
     if torch.cuda.get_device_capability(a.device)[0] != 9 or layout.block_m != 128:
         return False
-    if a.shape[1] % 8 or not (_tma_usable(w) and a.is_contiguous()):
+    if a.shape[1] % 8 or not (_tma_usable(w) and _tma_usable(a)):
         return False
     from ..kernels import moe_ws
 

@@ -450,6 +450,8 @@ def test_wgrad_kernel_equals_grouped_mm(cfg, monkeypatch):
 # weight tiles) and the backward's combine (d gu @ w1), rows stored at their slots; with the
 # other Gluon kernels on (the default) and off.
 L1_WS_CONFIGS = [None, "128,64,4,8,152", "64,64,4,8,128"]
+# + one K step in both of layer 1's GEMMs (F 32, 2F 64): the carried position wraps every step
+L1_WS = DACT_WS + [(200, 64, 32, 4, 2, "uniform", "1")]
 
 
 @pytest.mark.parametrize(
@@ -457,7 +459,7 @@ L1_WS_CONFIGS = [None, "128,64,4,8,152", "64,64,4,8,128"]
     [(c, "1") for c in L1_WS_CONFIGS] + [(None, "0")],
     ids=lambda v: v or "default",
 )
-@pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
+@pytest.mark.parametrize("spec", L1_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
 def test_forward_backward_layer1_warp_specialized(spec, cfg, others, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMA: Hopper only")
@@ -477,7 +479,7 @@ def test_ws_kernels_either_load_path(carry, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMA: Hopper only")
     monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", carry)
-    for spec in (DACT_WS[2], DACT_WS[6]):
+    for spec in (DACT_WS[2], L1_WS[-1]):
         _check_ws_fwd_bwd(spec, "_launch_l1_ws", f"carry {carry} {spec}", monkeypatch, 2)
 
 
@@ -523,6 +525,27 @@ def test_layer1_warp_specialized_equals_triton_kernel(which, monkeypatch):
     assert_close(got_o[kept], ref_o[kept], dtype=BF16, name=f"{which} rows")
     assert_close(got_y, ref_y, dtype=BF16, name=f"{which} y")
     assert not torch.isnan(got_y).any()
+
+
+def test_layer1_misaligned_rows_take_the_triton_kernel():
+    # TMA needs 16-byte aligned rows: a contiguous but misaligned h must fall back to the Triton
+    # kernel (not fail in the descriptor) and give the same y
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
+
+    p = problem("olmoe", shape=(512, 256, 128, 8, 2))
+    h, _ = fused._fwd_layer0(p.x, p.layout, p.w1, p.world, "swiglu", None, p.ws)
+    buf = torch.empty(h.numel() + 8, dtype=h.dtype, device=h.device)
+    hm = buf[1 : 1 + h.numel()].view_as(h)
+    hm.copy_(h)
+    assert hm.is_contiguous() and hm.data_ptr() % 16
+    args = (p.layout, p.world, None, None, p.F, p.H, p.w2.stride(2))
+    assert fused._l1_ws_usable(h, p.w2, *args) is True
+    assert fused._l1_ws_usable(hm, p.w2, *args) is None
+    wts = p.wflat.view(p.T, p.K)
+    y = fused.layer1(h, p.layout, wts, p.w2, p.world)
+    assert_close(fused.layer1(hm, p.layout, wts, p.w2, p.world), y, dtype=BF16, name="y")
 
 
 @pytest.mark.parametrize("save_gu", [False, True])
