@@ -38,6 +38,10 @@ left at the top-8 H-2048 shapes is the reduction's own traffic (``T x K x H`` ro
 which the floor does not have. At W > 1 the reduction stays persistent and tiled like the GEMM:
 it waits per GEMM column tile.
 
+At one rank on a Hopper GPU the GEMM + row stores run in the warp-specialized Gluon kernel
+instead (``moe_ws.py``, its rows mode: the row stores in an epilogue partition, off the tensor
+cores' path; ``fused._l1_ws_usable`` says when); the reduction below is the same.
+
 Tried and dropped (2026-12-04): the one-rank combine *in the GEMM's epilogue*, without float
 atomics: each tile counts its rows into a per-(token, column tile) counter (acq_rel atomics
 after a CTA barrier) and the tile that brings a token to its kept count sums the token's K rows

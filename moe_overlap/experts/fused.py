@@ -682,7 +682,8 @@ def _launch_layer1(
     trace=None,
 ):
     """Grouped GEMM ``h @ w[l]^T`` whose rows go to their source ranks, then the reduction
-    ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None)."""
+    ``y[t] = sum_k weights[t, k] * row(t, k)`` (unweighted when ``weights`` is None). One rank
+    on Hopper: the GEMM in the warp-specialized Gluon kernel where :func:`_l1_ws_usable` says."""
     device = h.device
     W = world.world_size
     cfg = layer1_config(h.element_size(), getattr(layout, "pinned", None))
