@@ -7,7 +7,8 @@ median over rounds), ``torch._grouped_mm`` on layer 0's GEMM, the backward's dis
 layer 1's GEMM and the backward's combine GEMM, then layer 0 (inference and with the saved
 pre-activations) under every variant, and the backward's dispatch GEMM, layer 1 (GEMM and
 reduction) and the backward's combine under the first variant and those whose switches concern
-them; it checks each variant's output against the first variant's.
+them, and d w1 in ``grouped_mm`` against ``kernels/moe_wgrad.py`` (one program an SM, and one
+a tile at a config that fits twice); it checks each variant's output against the first one's.
 """
 
 import os
@@ -71,6 +72,19 @@ def run(name):
         "grouped_mm l1": (lambda: torch._grouped_mm(h, w2t, offs=pends), 2 * M * H * F),
         "grouped_mm bwd-c": (lambda: torch._grouped_mm(d_gu, w1, offs=pends), 4 * M * H * F),
     }
+    x_rows = fused._gather_rows(layout, x, ws.recv)
+    wkeys = ("MOE_OVERLAP_WGRAD", "MOE_OVERLAP_WGRAD_GRID", "MOE_OVERLAP_WGRAD_CONFIG")
+    for wname, vals in (
+        ("default", (None, None, None)),  # grouped_mm over the padded ranges
+        ("kernel", ("kernel", None, None)),
+        ("kernel-tiles", ("kernel", "tiles", "128,128,64,8,2")),
+    ):
+
+        def wgrad(vals=vals):
+            _set(dict(zip(wkeys, vals)))
+            return fused._grouped_wgrad(d_gu, x_rows, layout, w1.dtype, world)
+
+        cases[f"wgrad {wname}"] = (wgrad, 4 * M * H * F)
     var = variants()
     for vname, env in var:
 
@@ -125,12 +139,14 @@ def run(name):
     for cname, (_, flop) in cases.items():
         ms = statistics.median(times[cname])
         kind = cname.split()[0]
-        ref = {"bwd-d": "grouped_mm bwd-d", "layer1": "grouped_mm l1", "bwd-c": "grouped_mm bwd-c"}
+        ref = {"bwd-d": "grouped_mm bwd-d", "layer1": "grouped_mm l1", "bwd-c": "grouped_mm bwd-c",
+               "wgrad": "wgrad default"}  # fmt: skip
         ref = ref.get(kind, "grouped_mm l0")
         r = statistics.median(times[ref]) / ms
         spread = " ".join(f"{t:.3f}" for t in times[cname])
         print(f"  {cname:28s} {ms:.3f} ms {flop / ms / 1e9:4.0f} TFLOP/s {r:.3f}x  ({spread})")
     _set({k: None for _, env in var for k in env})
+    _set(dict.fromkeys(wkeys))
 
 
 if __name__ == "__main__":
