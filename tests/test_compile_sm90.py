@@ -334,12 +334,9 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
     """
     import itertools
     import re
-    import subprocess
-    import tempfile
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.runtime.jit import mangle_type
     from moe_overlap.experts.fused import dact_ws_config
     from moe_overlap.kernels import moe_ws as m
@@ -404,16 +401,12 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         assert f"m64n{BN}k16" in ptx, (BN, FWD)
         # the K loop keeps one wgmma group in flight: ptxas must not have to drain them (C7517,
         # "warpgroup.wait is injected ... to allow use of registers defined by GMMA")
-        with tempfile.TemporaryDirectory() as d:
-            open(f"{d}/k.ptx", "w").write(ptx)
-            r = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f"{d}/k.ptx", "-o",
-                                f"{d}/k.o"], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert "C7517" not in r.stderr, (BN, mode, DW, SAVE, r.stderr[-2000:])
-        spill = [ln for ln in r.stderr.splitlines() if "spill" in ln]
+        report = ptxas_v(ptx)
+        assert "C7517" not in report, (BN, mode, DW, SAVE, report[-2000:])
+        spill = [ln for ln in report.splitlines() if "spill" in ln]
         print(mode, BN, ST, ER, DW, SAVE, dt, CARRY, spill)
         if (BN, BK, ST, GM, ER) == D:  # the default split keeps (nearly) every value in registers
-            stores = int(re.search(r"(\\d+) bytes spill stores", r.stderr).group(1))
+            stores = int(re.search(r"(\\d+) bytes spill stores", report).group(1))
             assert stores <= 32, (mode, DW, SAVE, dt, spill)
         n += 1
     print(f"compiled {n} warp-specialized variants for sm_90")
