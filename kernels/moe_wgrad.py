@@ -28,8 +28,9 @@ but the next tile's first loads are issued after it, and with ~4 K steps a tile 
 that bubble is a large share. Triton's loop fusion (``tl.range(flatten=True)``, as layer 1
 uses) does not take this loop (the inner trip count is the expert's; the PTX is unchanged,
 Triton 3.6 and 3.9). What may hide it instead is two programs an SM (``MOE_OVERLAP_WGRAD_GRID
-=tiles`` with a config that fits twice in shared memory, e.g. ``128,128,64,8,2``): to be
-measured.
+=tiles`` with a config that fits twice in shared memory, e.g. ``128,128,64,8,2``), or the
+warp-specialized Gluon kernel's ``WGRAD`` mode (``moe_ws.py``, ``MOE_OVERLAP_WGRAD=ws``), whose
+loads run ahead across tiles and whose stores sit in their own partition: to be measured.
 
 Budget (sm_90a, Triton 3.6 and 3.9 ptxas): 128x256x64, 3 stages, 8 warps: 208 KiB of shared
 memory (3 x 48 KiB + the 64 KiB output tile), 154 registers, no spills.

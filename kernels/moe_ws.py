@@ -1,5 +1,6 @@
 """The MoE grouped GEMMs at one rank, warp-specialized (Hopper, Gluon): layer 0's SwiGLU
-forward, the backward's dispatch GEMM, and layer 1's GEMMs (forward and the backward's combine).
+forward, the backward's dispatch GEMM, layer 1's GEMMs (forward and the backward's combine) and
+the experts' weight gradients.
 
 * forward (``FWD``): ``h = silu(gate) * up`` with ``[gate | up] = x[rows] @ w1[l]^T``, and with
   ``SAVE_GU`` the gate/up pre-activations for the backward, as ``_layer0_kernel`` does with
@@ -11,7 +12,13 @@ forward, the backward's dispatch GEMM, and layer 1's GEMMs (forward and the back
   reduction that follows, as ``moe_layer1._layer1_gemm_kernel`` does at one rank: layer 1's
   forward (``h @ w2[l]^T``; ``w2`` viewed ``[El * H, F]``, ``[BN, BK]`` K-major boxes,
   ``B_KMAJOR``) and the backward's combine (``d gu @ w1[l]``; ``w1`` viewed ``[El * 2F, H]``,
-  ``[BK, BN]`` boxes),
+  ``[BK, BN]`` boxes);
+* weight gradients (``WGRAD``): ``out[l] = a[rows of l]^T @ b[rows of l]``, each expert's
+  contraction over its real rows only (``moe_wgrad.py`` says why), A boxes ``[BK, BM]`` read
+  transposed by the wgmma, B boxes ``[BK, BN]``; tiles walk (expert, M tile, N tile), each
+  expert's step count carried with the load position (an expert without rows takes one step
+  and its epilogue stores zeros), the epilogue partition storing the tile into ``out [El, M,
+  N]``,
 
 each with the epilogue off the tensor cores' path. In the kernel, ``KD`` is the contraction
 (x's H, layer 1's F or 2F) and ``N`` the output columns (F; layer 1's H).
@@ -143,6 +150,7 @@ if HAVE_GLUON:
         N: gl.tensor
         stride_pm: gl.tensor
         stride_om: gl.tensor
+        n_exp: gl.tensor
         BM: gl.constexpr
         BN: gl.constexpr
         BK: gl.constexpr
@@ -153,6 +161,7 @@ if HAVE_GLUON:
         ROWS: gl.constexpr
         B_KMAJOR: gl.constexpr
         CARRY: gl.constexpr
+        WGRAD: gl.constexpr
         MMA_WARPS: gl.constexpr
         EPI_WARPS: gl.constexpr
 
@@ -178,6 +187,7 @@ if HAVE_GLUON:
             N,
             stride_pm,
             stride_om,
+            n_exp,
             BM,
             BN,
             BK,
@@ -188,6 +198,7 @@ if HAVE_GLUON:
             ROWS,
             B_KMAJOR,
             CARRY,
+            WGRAD,
             MMA_WARPS,
             EPI_WARPS,
         ):
@@ -210,6 +221,7 @@ if HAVE_GLUON:
             self.N = N
             self.stride_pm = stride_pm
             self.stride_om = stride_om
+            self.n_exp = n_exp
             self.BM = gl.constexpr(BM)
             self.BN = gl.constexpr(BN)
             self.BK = gl.constexpr(BK)
@@ -220,6 +232,7 @@ if HAVE_GLUON:
             self.ROWS = gl.constexpr(ROWS)
             self.B_KMAJOR = gl.constexpr(B_KMAJOR)
             self.CARRY = gl.constexpr(CARRY)
+            self.WGRAD = gl.constexpr(WGRAD)
             self.MMA_WARPS = gl.constexpr(MMA_WARPS)
             self.EPI_WARPS = gl.constexpr(EPI_WARPS)
 
@@ -564,6 +577,137 @@ if HAVE_GLUON:
             j += 1
 
     @gluon.jit
+    def _wg_tile(p, ti, pid, nprog, mine, per, n_mt, n_nt):
+        """(first row, M tile, N tile, K steps, expert) of this program's ``ti``-th weight-gradient
+        tile; an expert without rows takes one step (its epilogue stores zeros), and a tile past
+        the program's last reads nothing."""
+        ok = ti < mine
+        t = pid + ti * nprog
+        le = t // per
+        mt, nt = _tile_of(t - le * per, n_mt, n_nt, p.GROUP_M)
+        s0 = gl.load(p.row_l_ptr + le, mask=ok, other=0)
+        e0 = gl.load(p.exp_end_ptr + le, mask=ok, other=0)
+        return s0, mt, nt, gl.maximum(gl.cdiv(e0 - s0, p.BK), 1), le
+
+    @gluon.jit
+    def _wg_issue(p, ip, st, mine):
+        """TMA loads of step ``ip`` (position ``st``) into stage ``ip % STAGES``: the expert's
+        rows ``[s0 + kk * BK, + BK)`` of A's M tile and B's N tile (past its last real row, its
+        own zero padding: ``BK`` divides BLOCK_M); nothing past the program's last tile."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        kk, ti, s0, mt, nt, nk, nxt = st
+        go = ti < mine
+        s = ip % STAGES
+        nbytes: gl.constexpr = p.a_desc.block_type.nbytes + p.b_desc.block_type.nbytes
+        row = s0 + kk * p.BK
+        mbarrier.expect(p.ready.index(s), nbytes, pred=go)
+        _tma_load(p.a_desc, [row, mt * p.BM], p.ready.index(s), p.a_bufs.index(s), pred=go)
+        _tma_load(p.b_desc, [row, nt * p.BN], p.ready.index(s), p.b_bufs.index(s), pred=go)
+
+    @gluon.jit
+    def _wg_next(p, st, pid, nprog, mine, per, n_mt, n_nt):
+        """The issue position one step on (the next tile's position loaded a tile ahead)."""
+        kk, ti, s0, mt, nt, nk, nxt = st
+        kk += 1
+        if kk == nk:
+            kk = kk * 0
+            ti += 1
+            s0, mt, nt, nk = nxt
+            s1, mt1, nt1, nk1, _ = _wg_tile(p, ti + 1, pid, nprog, mine, per, n_mt, n_nt)
+            nxt = (s1, mt1, nt1, nk1)
+        return kk, ti, s0, mt, nt, nk, nxt
+
+    @gluon.jit
+    def _mma_wgrad(p):
+        """Default partition of ``WGRAD``: ``out[l] = a[rows of l]^T @ b[rows of l]`` tile by
+        tile, each expert's K loop over its real rows only; the loads run ``STAGES - 1`` steps
+        ahead across tiles (a tile's K steps are the expert's, so the count is carried, not
+        computed), one wgmma in flight, the finished tile handed to the epilogue as in
+        :func:`_mma`."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
+        )
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_mt = gl.cdiv(p.KD, p.BM)
+        n_nt = gl.cdiv(p.N, p.BN)
+        per = n_mt * n_nt
+        mine = gl.cdiv(gl.maximum(p.n_exp * per - pid, 0), nprog)
+        s0, mt, nt, nk, _ = _wg_tile(p, 0, pid, nprog, mine, per, n_mt, n_nt)
+        s1, mt1, nt1, nk1, _ = _wg_tile(p, 1, pid, nprog, mine, per, n_mt, n_nt)
+        zero = pid * 0
+        st = (zero, zero, s0, mt, nt, nk, (s1, mt1, nt1, nk1))
+        for ip in gl.static_range(STAGES - 1):
+            _wg_issue(p, ip, st, mine)
+            st = _wg_next(p, st, pid, nprog, mine, per, n_mt, n_nt)
+        # the consumer's own count of each tile's steps, a tile ahead
+        cur = nk
+        ahead = nk1
+        acc = gl.zeros((p.BM, p.BN), gl.float32, layout=layout)
+        ic = zero
+        for j in range(mine):
+            _, _, _, nk2, _ = _wg_tile(p, j + 2, pid, nprog, mine, per, n_mt, n_nt)
+            for kk in range(cur):
+                s = ic % STAGES
+                mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+                acc = warpgroup_mma(p.a_bufs.index(s).permute((1, 0)), p.b_bufs.index(s), acc,
+                                    use_acc=kk > 0, is_async=True)  # fmt: skip
+                # step ic - 1's wgmma is done: its stage takes step ic + STAGES - 1
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                _wg_issue(p, ic + STAGES - 1, st, mine)
+                st = _wg_next(p, st, pid, nprog, mine, per, n_mt, n_nt)
+                ic += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.wait(p.c_empty, (j & 1) ^ 1)  # a fresh barrier passes phase 1
+            p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
+            fence_async_shared()
+            mbarrier.arrive(p.c_ready)
+            cur = ahead
+            ahead = nk2
+
+    @gluon.jit
+    def _epilogue_wgrad(p):
+        """Worker partition of ``WGRAD``: stores the tile into ``out [El, M, N]`` (``KD`` is M
+        here), zeros for an expert without rows (its one step read another expert's rows)."""
+        EL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [p.EPI_WARPS, 1], [1, 0])
+        ROWS: gl.constexpr = gl.SliceLayout(1, EL)
+        COLS: gl.constexpr = gl.SliceLayout(0, EL)
+        NR: gl.constexpr = p.BM // SUB_R
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_mt = gl.cdiv(p.KD, p.BM)
+        n_nt = gl.cdiv(p.N, p.BN)
+        per = n_mt * n_nt
+        mine = gl.cdiv(gl.maximum(p.n_exp * per - pid, 0), nprog)
+        s0, mt, nt, nk, le = _wg_tile(p, 0, pid, nprog, mine, per, n_mt, n_nt)
+        e0 = gl.load(p.exp_end_ptr + le, mask=mine > 0, other=0)
+        for j in range(mine):
+            s1, mt1, nt1, nk1, le1 = _wg_tile(p, j + 1, pid, nprog, mine, per, n_mt, n_nt)
+            e1 = gl.load(p.exp_end_ptr + le1, mask=j + 1 < mine, other=0)
+            empty = e0 == s0
+            base = p.out_ptr + le.to(gl.int64) * p.KD * p.N
+            mbarrier.wait(p.c_ready, j & 1)
+            for rc in gl.static_range(NR):
+                m = mt * p.BM + rc * SUB_R + gl.arange(0, SUB_R, layout=ROWS)
+                dst = base + m.to(gl.int64)[:, None] * p.N
+                for ch in gl.static_range(p.BN // SUB):
+                    v = p.c_smem.slice(rc * SUB_R, SUB_R, dim=0).slice(ch * SUB, SUB, dim=1)
+                    v = v.load(EL)
+                    v = gl.where(empty, gl.zeros_like(v), v)
+                    n = nt * p.BN + ch * SUB + gl.arange(0, SUB, layout=COLS)
+                    sm = (m < p.KD)[:, None] & (n < p.N)[None, :]
+                    gl.store(dst + n[None, :], v, mask=sm)
+            # every warp of this partition has read c_smem before the MMA partition rewrites it
+            _partition_barrier()
+            mbarrier.arrive(p.c_empty)
+            s0 = s1
+            mt = mt1
+            nt = nt1
+            le = le1
+            e0 = e1
+
+    @gluon.jit
     def _moe_ws_kernel(
         a_desc,
         b_desc,
@@ -578,6 +722,7 @@ if HAVE_GLUON:
         N,
         stride_pm,
         stride_om,
+        n_exp,
         BM: gl.constexpr,
         BN: gl.constexpr,
         BK: gl.constexpr,
@@ -589,12 +734,16 @@ if HAVE_GLUON:
         ROWS: gl.constexpr,
         B_KMAJOR: gl.constexpr,
         CARRY: gl.constexpr,
+        WGRAD: gl.constexpr,
         EPI_WARPS: gl.constexpr,
         EPI_REGS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         dt: gl.constexpr = a_desc.dtype
-        a_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], a_desc.layout)
+        if WGRAD:  # the rows' A tiles [BK, BM], read transposed
+            a_bufs = gl.allocate_shared_memory(dt, [STAGES, BK, BM], a_desc.layout)
+        else:
+            a_bufs = gl.allocate_shared_memory(dt, [STAGES, BM, BK], a_desc.layout)
         if B_KMAJOR:  # K-major weight tiles (the forward's: gate rows then up rows)
             b_bufs = gl.allocate_shared_memory(dt, [STAGES, BN, BK], b_desc.layout)
         else:
@@ -610,9 +759,12 @@ if HAVE_GLUON:
         mbarrier.init(c_empty, count=1)
         p = _Args(a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, c_ready, c_empty,
                   pre_ptr, out_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, dw_ptr, dw_slot_ptr,
-                  KD, N, stride_pm, stride_om, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, ROWS,
-                  B_KMAJOR, CARRY, num_warps, EPI_WARPS)  # fmt: skip
-        if FWD:
+                  KD, N, stride_pm, stride_om, n_exp, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, ROWS,
+                  B_KMAJOR, CARRY, WGRAD, num_warps, EPI_WARPS)  # fmt: skip
+        if WGRAD:
+            gl.warp_specialize([(_mma_wgrad, (p,)), (_epilogue_wgrad, (p,))], [EPI_WARPS],
+                               [EPI_REGS])  # fmt: skip
+        elif FWD:
             gl.warp_specialize([(_mma, (p,)), (_epilogue_fwd, (p,))], [EPI_WARPS], [EPI_REGS])
         elif ROWS:
             gl.warp_specialize([(_mma, (p,)), (_epilogue_rows, (p,))], [EPI_WARPS], [EPI_REGS])
@@ -647,6 +799,7 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, slot, KD, N, cfg, n_programs, 
         N,
         pre.stride(0),
         out.stride(0),
+        0,
         BM=cfg["BM"],
         BN=cfg["BN"],
         BK=cfg["BK"],
@@ -658,6 +811,7 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, slot, KD, N, cfg, n_programs, 
         ROWS=rows,
         B_KMAJOR=fwd or mode == "rows_t",
         CARRY=bool(carry) if carry is not None else mode != "dact",
+        WGRAD=False,
         EPI_WARPS=4,
         EPI_REGS=cfg["EPI_REGS"],
         num_warps=8,
@@ -749,4 +903,60 @@ def rows_ws(a_rows, w, out, row_slot, layout, cfg: dict, n_programs: int, w_kmaj
     return out
 
 
-__all__ = ["HAVE_GLUON", "dact_swiglu_ws", "rows_ws", "swiglu_ws"]
+def wgrad_ws(a_RM, b_RN, starts, ends, out, cfg: dict, n_programs: int):
+    """Launch :func:`_moe_ws_kernel`'s ``WGRAD`` mode: ``out[l] = a_RM[starts[l]:ends[l]]^T @
+    b_RN[starts[l]:ends[l]]``, the contraction stopped at each expert's real rows (as
+    ``moe_wgrad.grouped_wgrad``, whose contract this keeps; the loads flow across tiles here).
+
+    a_RM, b_RN  ``[R, M]`` / ``[R, N]`` contiguous bf16 / fp16, TMA-aligned; zero on each
+                expert's padding rows up to its next multiple of ``BK``.
+    starts, ends  ``[El]`` int32: each expert's first row (a multiple of ``BK``) and one past
+                its last real row.
+    out         ``[El, M, N]`` contiguous, the operands' dtype; every element written.
+    cfg         ``BN``, ``BK``, ``STAGES``, ``GM``, ``EPI_REGS``, ``MAXNREG`` (``BM`` 128).
+    """
+    El, M, N = out.shape
+    BM, BN, BK = cfg["BM"], cfg["BN"], cfg["BK"]
+    gdt = _gl_dtype(a_RM)
+    a_desc = TensorDescriptor.from_tensor(
+        a_RM, [BK, BM], gl.NVMMASharedLayout.get_default_for([BK, BM], gdt)
+    )
+    b_desc = TensorDescriptor.from_tensor(
+        b_RN, [BK, BN], gl.NVMMASharedLayout.get_default_for([BK, BN], gdt)
+    )
+    _moe_ws_kernel[(n_programs,)](
+        a_desc,
+        b_desc,
+        out,
+        out,
+        starts,
+        ends,
+        ends,
+        out,
+        starts,
+        M,
+        N,
+        N,
+        N,
+        El,
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        STAGES=cfg["STAGES"],
+        GROUP_M=cfg["GM"],
+        DW=False,
+        FWD=False,
+        SAVE_GU=False,
+        ROWS=False,
+        B_KMAJOR=False,
+        CARRY=True,
+        WGRAD=True,
+        EPI_WARPS=4,
+        EPI_REGS=cfg["EPI_REGS"],
+        num_warps=8,
+        maxnreg=cfg["MAXNREG"],
+    )
+    return out
+
+
+__all__ = ["HAVE_GLUON", "dact_swiglu_ws", "rows_ws", "swiglu_ws", "wgrad_ws"]

@@ -363,14 +363,21 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         (D, "rows_t", "bf16", True), (D, "rows", "bf16", True), (D, "rows_t", "fp16", False),
         ((128, 64, 4, 8, 152), "rows_t", "bf16", True),
         ((64, 64, 4, 8, 128), "rows", "bf16", True))]
+    cases += [(D, "wgrad", False, False, "bf16", True),
+              ((128, 64, 4, 8, 152), "wgrad", False, False, "fp16", True)]
     for (BN, BK, ST, GM, ER), mode, DW, SAVE, dt, CARRY in cases:
         FWD, ROWS, KMAJ = mode == "swiglu", mode.startswith("rows"), mode in ("swiglu", "rows_t")
+        WG = mode == "wgrad"
         cfg = dact_ws_config()
         BM = cfg["BM"]
         tdt, gdt = {"bf16": (torch.bfloat16, gl.bfloat16), "fp16": (torch.float16, gl.float16)}[dt]
         a = torch.empty(1024, 512, dtype=tdt)
         ad = m.TensorDescriptor.from_tensor(a, [BM, BK], lay([BM, BK], gdt))
-        if FWD:  # w1 [El * 2F, H], gate and up boxes of BN / 2 rows
+        if WG:  # rows [R, M] / [R, N]: A boxes [BK, BM] (read transposed), B boxes [BK, BN]
+            ad = m.TensorDescriptor.from_tensor(a, [BK, BM], lay([BK, BM], gdt))
+            w = torch.empty(1024, 768, dtype=tdt)
+            bd = m.TensorDescriptor.from_tensor(w, [BK, BN], lay([BK, BN], gdt))
+        elif FWD:  # w1 [El * 2F, H], gate and up boxes of BN / 2 rows
             w = torch.empty(4 * 1536, 512, dtype=tdt)
             bd = m.TensorDescriptor.from_tensor(w, [BN // 2, BK], lay([BN // 2, BK], gdt))
         elif KMAJ:  # layer 1's w2 [El * H, F], [BN, BK] boxes
@@ -382,10 +389,10 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         types = dict(a_desc=mangle_type(ad), b_desc=mangle_type(bd), pre_ptr="*" + dt,
                      out_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32",
                      dw_ptr="*fp32", dw_slot_ptr="*i32", KD="i32", N="i32", stride_pm="i32",
-                     stride_om="i32")
+                     stride_om="i32", n_exp="i32")
         consts = dict(BM=BM, BN=BN, BK=BK, STAGES=ST, GROUP_M=GM, DW=DW, FWD=FWD, SAVE_GU=SAVE,
-                      ROWS=ROWS, B_KMAJOR=KMAJ, CARRY=CARRY, EPI_WARPS=4, EPI_REGS=ER,
-                      num_warps=8)
+                      ROWS=ROWS, B_KMAJOR=KMAJ, CARRY=CARRY, WGRAD=WG, EPI_WARPS=4,
+                      EPI_REGS=ER, num_warps=8)
         sig, cx = signature(fn, types, consts)
         # what a launch specializes on the GPU: 16-byte aligned pointers, sizes and strides
         # divisible by 16 (the row stores vectorize only so)
@@ -422,7 +429,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(tmp_path):
     out = _compile_in_subprocess(_WS_SCRIPT, tmp_path)
     if "no gluon" in out:
         pytest.skip("this Triton has no Gluon")
-    assert "compiled 16 warp-specialized" in out
+    assert "compiled 18 warp-specialized" in out
 
 
 _WGRAD_SCRIPT = _HELPERS + textwrap.dedent(

@@ -268,11 +268,13 @@ def test_forward_backward_matches_reference(case):
     ],
     ids=str,
 )
-def test_backward_with_the_wgrad_kernel(case, monkeypatch):
+@pytest.mark.parametrize("env", ["kernel", "ws"])
+def test_backward_with_the_wgrad_kernel(case, env, monkeypatch):
     # MOE_OVERLAP_WGRAD=kernel: both weight gradients of every rank from kernels/moe_wgrad.py
-    # (each expert's contraction stopped at its real rows), against the reference. H and F keep
-    # rows 16-byte aligned (fp32), so the kernel's TMA operands apply.
-    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    # (each expert's contraction stopped at its real rows), against the reference; "ws" (the
+    # Gluon mode, GPU-only) takes the same kernel here. H and F keep rows 16-byte aligned
+    # (fp32), so the kernel's TMA operands apply.
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", env)
     calls = []
     real = fused.moe_wgrad.grouped_wgrad
     monkeypatch.setattr(fused.moe_wgrad, "grouped_wgrad", lambda *a: calls.append(1) or real(*a))

@@ -5,6 +5,7 @@ M and N tiles; fp32 and fp16; every output element written (the output starts as
 import pytest
 import torch
 
+from moe_overlap import local_world
 from moe_overlap.experts import fused
 from moe_overlap.kernels.moe_wgrad import grouped_wgrad
 from moe_overlap.testing import assert_close
@@ -68,6 +69,17 @@ def test_wgrad_switch(monkeypatch):
     b = torch.zeros(32, 7)  # 28-byte rows: no TMA
     assert not fused._wgrad_kernel_usable(b, b, lay, b.dtype, cfg)
     assert not fused._wgrad_kernel_usable(a, a, type("L", (), {"block_m": 8})(), a.dtype, cfg)
+    # the Gluon mode: only where every warp-specialized kernel runs (one rank, Hopper, ...)
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "ws")
+    assert fused._wgrad_kernel_usable(a, a, lay, a.dtype, cfg)  # its fallback here
+    world = local_world(torch.device("cpu"))
+    lay128 = type("L", (), {"block_m": 128})()
+    assert not fused._wgrad_ws_usable(a, a, lay128, world)
+    monkeypatch.setattr(fused, "_ws_common_ok", lambda *a: True)
+    assert fused._wgrad_ws_usable(a, a, lay128, world)
+    assert not fused._wgrad_ws_usable(a, a, type("L", (), {"block_m": 32})(), world)  # BK 64
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    assert not fused._wgrad_ws_usable(a, a, lay128, world)
     monkeypatch.setenv("MOE_OVERLAP_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="MOE_OVERLAP_WGRAD"):
         fused._wgrad_kernel_usable(a, a, lay, a.dtype, cfg)

@@ -864,20 +864,48 @@ def wgrad_config() -> dict:
 
 
 def _wgrad_kernel_usable(a_rows, b_rows, layout: Layout, out_dtype, cfg) -> bool:
-    """Whether :func:`_grouped_wgrad` runs ``kernels/moe_wgrad.py``: ``MOE_OVERLAP_WGRAD=kernel``
-    (the default, ``grouped_mm``, is what has been measured), TMA-usable operands of one dtype
-    and output dtype, ``BK`` dividing BLOCK_M (the K loop's last step must stay inside the
-    expert's zero padding)."""
+    """Whether :func:`_grouped_wgrad` runs a real-rows kernel: ``MOE_OVERLAP_WGRAD=kernel``
+    (``kernels/moe_wgrad.py``) or ``ws`` (the warp-specialized one of ``kernels/moe_ws.py``
+    where :func:`_wgrad_ws_usable` allows, else the former); the default, ``grouped_mm``, is
+    what has been measured. TMA-usable operands of one dtype and output dtype, ``BK`` dividing
+    BLOCK_M (the K loop's last step must stay inside the expert's zero padding)."""
     env = os.environ.get("MOE_OVERLAP_WGRAD", "grouped_mm")
-    if env not in ("grouped_mm", "kernel"):
-        raise ValueError(f"MOE_OVERLAP_WGRAD must be grouped_mm or kernel, got {env!r}")
-    if env != "kernel" or not (a_rows.is_cuda or interpreted()):
+    if env not in ("grouped_mm", "kernel", "ws"):
+        raise ValueError(f"MOE_OVERLAP_WGRAD must be grouped_mm, kernel or ws, got {env!r}")
+    if env == "grouped_mm" or not (a_rows.is_cuda or interpreted()):
         return False
     if a_rows.dtype != b_rows.dtype or out_dtype != a_rows.dtype:
         return False
     if layout.block_m % cfg["BK"] or a_rows.shape[0] != b_rows.shape[0]:
         return False
     return _tma_usable(a_rows) and _tma_usable(b_rows)
+
+
+def wgrad_ws_config() -> dict:
+    """Block config of the warp-specialized weight-gradient mode (``kernels/moe_ws.py``);
+    ``MOE_OVERLAP_WGRAD_WS_CONFIG=BN,BK,STAGES,GROUP_M,EPI_REGS`` pins one (``BK`` must divide
+    BLOCK_M). Triton 3.6 ptxas at the default (128x256x64, 3 stages): no spills."""
+    return _ws_config("MOE_OVERLAP_WGRAD_WS_CONFIG")
+
+
+def _wgrad_ws_usable(a_rows, b_rows, layout: Layout, world: World) -> bool:
+    """``MOE_OVERLAP_WGRAD=ws`` and what :func:`_ws_common_ok` says (one rank, Hopper, 16-bit,
+    TMA-aligned, compiled), ``BK`` dividing BLOCK_M."""
+    if os.environ.get("MOE_OVERLAP_WGRAD") != "ws":
+        return False
+    if not _ws_common_ok(a_rows, b_rows, layout, world) or b_rows.shape[1] % 8:
+        return False
+    return layout.block_m % wgrad_ws_config()["BK"] == 0
+
+
+def _launch_wgrad_ws(a_rows, b_rows, layout: Layout, world: World, out):
+    from ..kernels.moe_ws import wgrad_ws
+
+    cfg = wgrad_ws_config()
+    El, A, B = out.shape
+    n = El * -(-A // cfg["BM"]) * -(-B // cfg["BN"])
+    grid = max(1, min(n, getattr(world, "max_programs", 132)))
+    return wgrad_ws(a_rows, b_rows, layout.expert_start, layout.expert_end, out, cfg, grid)
 
 
 def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
@@ -898,6 +926,8 @@ def _grouped_wgrad(a_rows, b_rows, layout: Layout, out_dtype, world: World):
     cfg = wgrad_config()
     if _wgrad_kernel_usable(a_rows, b_rows, layout, out_dtype, cfg):
         out = torch.empty(El, A, B, dtype=out_dtype, device=a_rows.device)
+        if _wgrad_ws_usable(a_rows, b_rows, layout, world):
+            return _launch_wgrad_ws(a_rows, b_rows, layout, world, out)
         n = El * -(-A // cfg["BM"]) * -(-B // cfg["BN"])
         n = n if cfg["GRID"] == "tiles" and not interpreted() else _programs(world, n)
         starts, ends = layout.expert_start, layout.expert_end

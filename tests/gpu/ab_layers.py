@@ -8,7 +8,8 @@ layer 1's GEMM and the backward's combine GEMM, then layer 0 (inference and with
 pre-activations) under every variant, and the backward's dispatch GEMM, layer 1 (GEMM and
 reduction) and the backward's combine under the first variant and those whose switches concern
 them, and d w1 in ``grouped_mm`` against ``kernels/moe_wgrad.py`` (one program an SM, and one
-a tile at a config that fits twice); it checks each variant's output against the first one's.
+a tile at a config that fits twice, and the Gluon kernel's WGRAD mode); it checks each
+variant's output against the first one's.
 """
 
 import os
@@ -78,6 +79,7 @@ def run(name):
         ("default", (None, None, None)),  # grouped_mm over the padded ranges
         ("kernel", ("kernel", None, None)),
         ("kernel-tiles", ("kernel", "tiles", "128,128,64,8,2")),
+        ("ws", ("ws", None, None)),
     ):
 
         def wgrad(vals=vals):

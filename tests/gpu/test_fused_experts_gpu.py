@@ -408,37 +408,58 @@ def test_inference_layer0_warp_specialized(spec, monkeypatch):
 
 # The weight gradients from kernels/moe_wgrad.py (MOE_OVERLAP_WGRAD=kernel: each expert's
 # contraction stopped at its real rows), one program an SM and one a tile with a config that
-# fits twice; not yet the default.
-WGRAD_CONFIGS = [(None, "persistent"), ("128,128,64,8,2", "tiles")]
+# fits twice; and from the Gluon kernel's WGRAD mode (ws) at two configs. Not yet the default.
+WGRAD_CONFIGS = [
+    ("kernel", None, "persistent"),
+    ("kernel", "128,128,64,8,2", "tiles"),
+    ("ws", None, "persistent"),
+    ("ws", "128,64,4,8,152", "persistent"),
+]
 
 
-@pytest.mark.parametrize("cfg, grid", WGRAD_CONFIGS, ids=lambda v: v or "default")
+@pytest.mark.parametrize("env, cfg, grid", WGRAD_CONFIGS, ids=lambda v: v or "default")
 @pytest.mark.parametrize("spec", DACT_WS, ids=lambda s: f"T{s[0]}-F{s[2]}-K{s[4]}-{s[5]}")
-def test_forward_backward_wgrad_kernel(spec, cfg, grid, monkeypatch):
-    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+def test_forward_backward_wgrad_kernel(spec, env, cfg, grid, monkeypatch):
+    if env == "ws" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", env)
     monkeypatch.setenv("MOE_OVERLAP_WGRAD_GRID", grid)
     if cfg:
-        monkeypatch.setenv("MOE_OVERLAP_WGRAD_CONFIG", cfg)
+        var = "MOE_OVERLAP_WGRAD_WS_CONFIG" if env == "ws" else "MOE_OVERLAP_WGRAD_CONFIG"
+        monkeypatch.setenv(var, cfg)
     calls = []
-    real = fused.moe_wgrad.grouped_wgrad
-    monkeypatch.setattr(fused.moe_wgrad, "grouped_wgrad", lambda *a: calls.append(1) or real(*a))
-    _check_ws_fwd_bwd(spec, "_grouped_wgrad", f"wgrad {spec} {cfg} {grid}", monkeypatch)
+    if env == "ws":
+        calls = _spy(monkeypatch, "_launch_wgrad_ws")
+    else:
+        real = fused.moe_wgrad.grouped_wgrad
+        monkeypatch.setattr(
+            fused.moe_wgrad, "grouped_wgrad", lambda *a: calls.append(1) or real(*a)
+        )
+    _check_ws_fwd_bwd(spec, "_grouped_wgrad", f"wgrad {env} {spec} {cfg} {grid}", monkeypatch)
     assert len(calls) == 2, "the wgrad kernel did not take both weight gradients"
 
 
-@pytest.mark.parametrize("cfg", [None, "128,128,64,8,2"], ids=lambda v: v or "default")
-def test_wgrad_kernel_equals_grouped_mm(cfg, monkeypatch):
+@pytest.mark.parametrize(
+    "env, cfg",
+    [("kernel", None), ("kernel", "128,128,64,8,2"), ("ws", None)],
+    ids=lambda v: v or "default",
+)
+def test_wgrad_kernel_equals_grouped_mm(env, cfg, monkeypatch):
     # Same padded rows through grouped_mm (whole padded ranges) and the kernel (real rows):
-    # equal to bf16 rounding; the output starts as NaN (poisoned allocator block).
+    # equal to bf16 rounding; the output starts as NaN (poisoned allocator block). (Experts
+    # without rows: test_forward_backward_wgrad_kernel's "empty" problem.)
     from sweep_bwd import problem  # tests/gpu is on sys.path (pytest prepends it)
 
+    if env == "ws" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
     if cfg:
         monkeypatch.setenv("MOE_OVERLAP_WGRAD_CONFIG", cfg)
     p = problem("deepseek-v3", shape=(1024, 1024, 512, 32, 8))
     a, b = p.g_rows, p.gu
     want = fused._grouped_wgrad(a, b, p.layout, BF16, p.world)
-    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", env)
     assert fused._wgrad_kernel_usable(a, b, p.layout, BF16, fused.wgrad_config())
+    assert fused._wgrad_ws_usable(a, b, p.layout, p.world) == (env == "ws")
     poison = torch.full_like(want, float("nan"))
     del poison
     got = fused._grouped_wgrad(a, b, p.layout, BF16, p.world)
