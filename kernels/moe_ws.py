@@ -641,13 +641,15 @@ if HAVE_GLUON:
         for ip in gl.static_range(STAGES - 1):
             _wg_issue(p, ip, st, mine)
             st = _wg_next(p, st, pid, nprog, mine, per, n_mt, n_nt)
-        # the consumer's own count of each tile's steps, a tile ahead
-        cur = nk
-        ahead = nk1
         acc = gl.zeros((p.BM, p.BN), gl.float32, layout=layout)
         ic = zero
         for j in range(mine):
-            _, _, _, nk2, _ = _wg_tile(p, j + 2, pid, nprog, mine, per, n_mt, n_nt)
+            # The tile's step count, loaded here (the issue side loaded the same two ints a tile
+            # ago: a cache hit). Trap (Triton 3.6, not 3.9): carried from the previous iteration
+            # with no use but this loop's bound, the count was folded to tile 0's, so every tile
+            # ran tile 0's step count against the issue side's own (a hang, or sums split across
+            # tiles); found by review on the CPU from the TTGIR.
+            _, _, _, cur, _ = _wg_tile(p, j, pid, nprog, mine, per, n_mt, n_nt)
             for kk in range(cur):
                 s = ic % STAGES
                 mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
@@ -663,8 +665,6 @@ if HAVE_GLUON:
             p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
             fence_async_shared()
             mbarrier.arrive(p.c_ready)
-            cur = ahead
-            ahead = nk2
 
     @gluon.jit
     def _epilogue_wgrad(p):
@@ -707,7 +707,9 @@ if HAVE_GLUON:
             le = le1
             e0 = e1
 
-    @gluon.jit
+    # n_exp (WGRAD's expert count) may be 1, which the launcher would otherwise turn into a
+    # constexpr the aggregate does not take
+    @gluon.jit(do_not_specialize=["n_exp"])
     def _moe_ws_kernel(
         a_desc,
         b_desc,
