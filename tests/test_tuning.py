@@ -27,14 +27,15 @@ def test_tune_times_the_triton_kernels_and_restores_the_environment(monkeypatch)
     seen = []
 
     def fake(op, shape, dtype, world):
-        seen.append((tuning.getenv("MOE_OVERLAP_L0_WS"), tuning.getenv("MOE_OVERLAP_DACT_WS")))
+        names = ("MOE_OVERLAP_L0_WS", "MOE_OVERLAP_DACT_WS", "MOE_OVERLAP_L1_WS")
+        seen.append(tuple(tuning.getenv(n) for n in names))
         return {}
 
     monkeypatch.setattr(tuning, "_tune", fake)
     monkeypatch.setenv("MOE_OVERLAP_L0_WS", "1")
     monkeypatch.delenv("MOE_OVERLAP_DACT_WS", raising=False)
     tuning.tune("moe", {}, torch.bfloat16, None)
-    assert seen == [("0", "0")]
+    assert seen == [("0", "0", "0")]
     assert os.environ["MOE_OVERLAP_L0_WS"] == "1" and "MOE_OVERLAP_DACT_WS" not in os.environ
     assert tuning.getenv("MOE_OVERLAP_L0_WS") == "1"
 

@@ -1212,7 +1212,7 @@ def _l1_ws_usable(h, w, layout: Layout, world: World, bias, trace, k_dim, n_out,
     ``h`` exactly ``[rows_cap, k_dim]``, ``w`` contiguous as ``[El, n_out, k_dim]`` (K-major:
     ``stride_wk`` 1) or ``[El, k_dim, n_out]``, TMA-aligned widths, int32-safe rows. Returns
     ``None`` (not usable) or whether ``w`` is K-major. ``MOE_OVERLAP_L1_WS=0`` keeps Triton."""
-    if os.environ.get("MOE_OVERLAP_L1_WS") == "0" or bias is not None or trace is not None:
+    if tuning.getenv("MOE_OVERLAP_L1_WS") == "0" or bias is not None or trace is not None:
         return None
     if not _ws_common_ok(h, w, layout, world) or w.dim() != 3:
         return None
