@@ -24,10 +24,14 @@ each with the epilogue off the tensor cores' path. In the kernel, ``KD`` is the 
 (x's H, layer 1's F or 2F) and ``N`` the output columns (F; layer 1's H).
 
 When it wins: one rank, a Hopper GPU (the host takes it there; ``fused._l0_ws_usable``,
-``fused._dact_ws_usable`` and ``fused._l1_ws_usable`` say exactly when). Layer 1 is not
-measured yet (written 2026-12-04 without a GPU): its epilogue only stores, as the forward's
-does, but its contraction is short at the fine-grained shapes (F 768 at qwen3-30b-a3b: 12 K
-steps a tile), so the Triton kernel's epilogue between two main loops costs it more.
+``fused._dact_ws_usable``, ``fused._l1_ws_usable`` and ``fused._wgrad_ws_usable`` say
+exactly when). Layer 1: its epilogue only stores, as the forward's does, but its contraction
+is short at the fine-grained shapes (F 768 at qwen3-30b-a3b: 12 K steps a tile), so the Triton
+kernel's epilogue between two main loops cost it more: measured on the H200 (2026-12-05, CLI,
+vs ``torch._grouped_mm`` on the same GEMM) 1.049x at qwen3-30b-a3b against the Triton kernel's
+0.934x, 1.012x at olmoe against 0.931x. The weight gradients (``WGRAD``): ``MoELayer``
+forward+backward 7.41 against 7.63 ms with ``grouped_mm`` at qwen3-30b-a3b, 9.05 against
+9.29 at olmoe, 41.3 against 42.7 at deepseek-v3 (the Triton wgrad kernel: 43.3).
 
 The backward's epilogue reads the saved gate and up tiles and writes ``d gu`` (8 bytes per
 output element against ``2 H`` FLOPs); in the one-partition Triton kernel it runs between two
@@ -337,7 +341,7 @@ if HAVE_GLUON:
         step and loads a tile's expert one tile ahead (qwen3-30b-a3b 1.686 -> 1.625 ms, olmoe
         2.045 -> 1.970, against a load between every two wgmmas); the backward's dispatch GEMM,
         the same change made slower (0.906 -> 0.969, 1.144 -> 1.223 ms), so it keeps the
-        per-step load (:func:`_issue_at`); layer 1 carries (not measured yet).
+        per-step load (:func:`_issue_at`); layer 1 carries (measured 2026-12-05 with it).
 
         The K loop sits inside the tile loop. As one flat loop with the tile's end under an
         ``if`` (the first version, every number above), ptxas (12.8 and 13.4, sm_90a) drained

@@ -58,10 +58,14 @@ def test_wgrad_kernel_block_of_32_takes_two_k_steps_per_block():
 
 
 def test_wgrad_switch(monkeypatch):
-    # the default is grouped_mm (what has been measured); a bad value fails before any launch
+    # auto (the default): the Gluon kernel where every warp-specialized kernel runs, else
+    # grouped_mm; grouped_mm forces it; a bad value fails before any launch
     lay = type("L", (), {"block_m": 16})()
     a = torch.zeros(32, 8)
     cfg = fused.wgrad_config()
+    assert fused._wgrad_env() == "auto"
+    assert not fused._wgrad_ws_usable(a, a, type("L", (), {"block_m": 128})(), None)
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "grouped_mm")
     assert not fused._wgrad_kernel_usable(a, a, lay, a.dtype, cfg)
     monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
     assert fused._wgrad_kernel_usable(a, a, lay, a.dtype, cfg)
@@ -79,6 +83,10 @@ def test_wgrad_switch(monkeypatch):
     assert fused._wgrad_ws_usable(a, a, lay128, world)
     assert not fused._wgrad_ws_usable(a, a, type("L", (), {"block_m": 32})(), world)  # BK 64
     monkeypatch.setenv("MOE_OVERLAP_WGRAD", "kernel")
+    assert not fused._wgrad_ws_usable(a, a, lay128, world)
+    monkeypatch.delenv("MOE_OVERLAP_WGRAD")  # auto takes it where usable
+    assert fused._wgrad_ws_usable(a, a, lay128, world)
+    monkeypatch.setenv("MOE_OVERLAP_WGRAD", "grouped_mm")
     assert not fused._wgrad_ws_usable(a, a, lay128, world)
     monkeypatch.setenv("MOE_OVERLAP_WGRAD", "cutlass")
     with pytest.raises(ValueError, match="MOE_OVERLAP_WGRAD"):
