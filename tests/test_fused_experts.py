@@ -832,6 +832,9 @@ def _noncontiguous(leaves):
     out["w2"] = leaves["w2"].transpose(1, 2).contiguous().transpose(1, 2)
     w = leaves["topk_weights"]
     out["topk_weights"] = w.t().contiguous().t()
+    for b in ("b1", "b2"):  # column-major: the kernels read bias rows densely
+        if leaves.get(b) is not None:
+            out[b] = leaves[b].t().contiguous().t()
     for k in ("x", "w1", "w2"):
         assert not out[k].is_contiguous()
     return {k: (None if v is None else v.detach()) for k, v in out.items()}

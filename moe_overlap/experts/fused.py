@@ -1512,20 +1512,11 @@ def fused_experts(
     if not torch.is_grad_enabled():
         # Inference under no_grad: the Function would see needs_input_grad (the weights
         # require grad) and run the training forward (rows gathered, gate/up saved) for nothing.
-        b1c = b1.contiguous() if b1 is not None else None
-        b2c = b2.contiguous() if b2 is not None else None
+        # (biases go to the kernels dense in _fwd_layer0 / _fwd_layer1, on every path)
         y, _ = _forward_impl(
-            x.contiguous(), topk_weights, w1, w2, b1c, b2c, world, layout, activation, False
+            x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, False
         )
         return y
     return _FusedExpertsFn.apply(
-        x.contiguous(),
-        topk_weights,
-        w1,
-        w2,
-        b1.contiguous() if b1 is not None else None,
-        b2.contiguous() if b2 is not None else None,
-        world,
-        layout,
-        activation,
+        x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation
     )
