@@ -44,6 +44,14 @@ staging them pays (olmoe; see below).
 
 The forward's A rows must be contiguous for TMA (Hopper's TMA cannot gather): the training
 forward gathers them anyway for the wgrad; inference stages them into the workspace first.
+Tried instead (2026-12-05, H200, CLI layer 0): the MMA warps copying each tile's x rows into
+the ring themselves (``cp.async`` 16-byte pieces, each thread's arrival counted on the stage's
+barrier, a proxy fence before the wgmma), so inference skips the staging pass. Bitwise equal to
+the staged kernel, but never faster: qwen3-30b-a3b 1.532 ms against 1.533 staged, olmoe 1.97
+against 1.89, deepseek-v3 8.86 against 8.01, mixtral-8x7b 13.27 against 11.78. The copies'
+address math and issue, and the partition-wide ``bar.sync`` Gluon puts before each ``cp.async``
+arrive, sit between the MMA warps' wgmmas every K step, and a loader partition does not fit
+the register budget below.
 Its B tile is two TMA boxes, ``[BN / 2, BK]`` each, of ``w1`` viewed ``[El * 2F, H]``: the gate
 rows of the tile's F range and the up rows ``F`` further, side by side in one K-major stage, so
 one ``m64nBNk16`` wgmma (the stage viewed transposed) makes ``[gate | up]``; the epilogue takes

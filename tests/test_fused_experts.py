@@ -354,8 +354,9 @@ def test_bad_ws_config_is_rejected(env, var, get, monkeypatch):
 
 def test_layer0_takes_the_ws_forward_only_for_its_cases(monkeypatch):
     # The host's gate in _launch_layer0, with the device checks passed (mocked): the SwiGLU
-    # forward on gathered rows goes to the Gluon path; a bias, the backward's dispatch (dact /
-    # scaled rows) or unstaged inference that does not pay stays with the Triton kernel.
+    # forward on gathered rows goes to the Gluon path, inference too (its rows staged first,
+    # whatever the width: 2F = 16 here); a bias, the backward's dispatch (dact / scaled rows) or
+    # inference with staging off (MOE_OVERLAP_L0_STAGE=0) stays with the Triton kernel.
     world = local_world(torch.device("cpu"))
     T, H, F, E = 6, 16, 8, 2
     x = torch.randn(T, H)
@@ -380,13 +381,16 @@ def test_layer0_takes_the_ws_forward_only_for_its_cases(monkeypatch):
     monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "1")
     fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)
     assert calls == [True, False]
+    monkeypatch.delenv("MOE_OVERLAP_L0_STAGE")
+    fused._fwd_layer0(x, layout, w1, world, "swiglu", None, ws)
+    assert calls == [True, False, False]
     # the backward's dispatch GEMM runs through _launch_layer0 with dact: never this path
     gu = torch.randn(layout.rows_cap, 2 * F)
     w2 = torch.randn(E, H, F)
     d_gu, _ = fused._launch_layer0(x, layout, w2, world, "none", n_out=F, stride_wn=w2.stride(2),
                                    stride_wk=w2.stride(1), stage_ws=ws, dact="swiglu", pre=gu,
                                    a_rows=rows)  # fmt: skip
-    assert isinstance(d_gu, torch.Tensor) and calls == [True, False]
+    assert isinstance(d_gu, torch.Tensor) and calls == [True, False, False]
 
 
 def test_ws_config_checks_shared_memory_and_forward_width(monkeypatch):

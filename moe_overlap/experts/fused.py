@@ -410,10 +410,12 @@ def _launch_layer0(
     device = x.device
     W = world.world_size
     ws_fwd = dact is None and scale is None and row_scale is None and dw_slot is None
-    # One rank on Hopper: the warp-specialized kernel (kernels/moe_ws.py), on rows the
-    # caller gathered or where staging them pays anyway (else the Triton kernel's pointer loads
-    # win: qwen3-30b-a3b inference 1.611 ms against 1.625 staged, H200, 2026-12-04)
-    ws_fwd = ws_fwd and (a_rows is not None or _stage_pays(2 * (n_out or 0)))
+    # One rank on Hopper: the warp-specialized kernel (kernels/moe_ws.py) on rows the caller
+    # gathered, else staged first whatever the width (since its nested K loop it beats the
+    # Triton kernel's pointer loads where staging does not pay that kernel: qwen3-30b-a3b
+    # inference 1.533 ms against 1.594-1.598, H200, 2026-12-05; MOE_OVERLAP_L0_STAGE=0 keeps
+    # the Triton kernel's pointer loads there)
+    ws_fwd = ws_fwd and (a_rows is not None or os.environ.get("MOE_OVERLAP_L0_STAGE") != "0")
     if ws_fwd and _l0_ws_usable(x, w, layout, world, act, bias, trace) and n_out == w.shape[1] // 2:
         rows = _staged_rows(x, layout, stage_ws.recv, a_rows)
         if rows is not None:
@@ -572,7 +574,8 @@ def _stage_pays(n_cols: int) -> bool:
     bytes whatever the GEMM's width ``n_cols`` (2F for SwiGLU), the GEMM's gain grows with it:
     measured on the H200 (2026-12-03) staged against pointer loads 1.000x / 0.978x grouped_mm
     at mixtral-8x7b (2F 28672), 1.064x / 0.993x at deepseek-v3 (4096), but 0.907x / 0.938x at
-    qwen3-30b-a3b (1536). ``MOE_OVERLAP_L0_STAGE=0/1`` forces it."""
+    qwen3-30b-a3b (1536). ``MOE_OVERLAP_L0_STAGE=0/1`` forces it. (This is the Triton kernel's
+    rule; the warp-specialized forward stages always, see :func:`_launch_layer0`.)"""
     env = os.environ.get("MOE_OVERLAP_L0_STAGE")
     if env in ("0", "1"):
         return env == "1"

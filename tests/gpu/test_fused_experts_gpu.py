@@ -395,7 +395,7 @@ def test_forward_backward_layer0_warp_specialized(spec, cfg, dact_ws, monkeypatc
 def test_inference_layer0_warp_specialized(spec, monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("warpgroup MMA: Hopper only")
-    monkeypatch.setenv("MOE_OVERLAP_L0_STAGE", "1")  # inference stages where it pays; force it
+    monkeypatch.delenv("MOE_OVERLAP_L0_STAGE", raising=False)  # the default: rows staged
     prob = _ws_problem(spec)
     device = torch.device("cuda", torch.cuda.current_device())
     calls = _spy(monkeypatch, "_launch_l0_ws")
