@@ -64,7 +64,9 @@ With the A rows staged contiguously at one rank and loaded by TMA (``A_TMA``, sa
 tile loop into the K loop (``FLAT``, a win for layer 1) cost it: 0.779x. Inference at
 narrow GEMMs (2F < 2048, qwen3) keeps pointer loads of the gathered rows instead, since the
 staging pass costs the same bytes whatever the width: qwen3 0.94-1.02x in two calls that evening;
-every preset 0.917-1.065x (BENCHMARKS.md).
+every preset 0.917-1.065x (BENCHMARKS.md). (That rule is this kernel's: at one rank on Hopper
+the warp-specialized forward, ``moe_ws.py``, now takes inference at every width on staged rows:
+qwen3-30b-a3b 1.010x against this kernel's 0.950x, 2026-12-05.)
 Gate and up tiles in one TMA box (``B_MODE`` 3, ``load_gate_up``; 2026-12-04, night): one
 ``[BK, 2 BN]`` B tile and one dot, so each warp group issues ``m64n256k16`` wgmmas that read their
 A tile from shared memory once, where the two ``n128`` dots read it twice. Same bits as the two
