@@ -207,6 +207,40 @@ def test_metrics_ratios_and_comm():
     assert "75% hidden" in text and "unavailable" in text
 
 
+@pytest.mark.parametrize(
+    ("counts", "want"),
+    [
+        ([128, 256], 1.0),
+        ([0, 128, 129, 1], 258 / (4 * 128)),  # an empty expert takes no tile
+        ([1], 1 / 128),
+        ([300, 0, 0], 300 / 384),  # everything on one expert
+        ([0, 0], None),  # no rows: no tiles
+    ],
+)
+def test_tile_fill(counts, want):
+    """Real rows over rows in whole 128-row tiles per expert, summed over the input sets."""
+    p = B.make_moe_problem(P.PRESETS["tiny"], 1, 0, torch.float32, "cpu", n_sets=2)
+
+    class Info:  # what _tile_fill reads of a set's layout
+        def __init__(self, c):
+            self.counts = c
+
+    p.cache["sort"] = [Info(counts), Info(counts)]
+    got = Hn._tile_fill(p, None)
+    assert got == (None if want is None else pytest.approx(want))
+    run = {"tile_fill_per_rank": [got, got]}
+    line = R.fill_line(run)
+    assert (line is None) == (want is None)
+    if line:
+        assert f"{want:.1%}" in line and "over ranks" not in line
+    spread = R.fill_line({"tile_fill_per_rank": [0.5, 0.75]})
+    assert "50.0%-75.0% (over ranks)" in spread
+    dense = B.make_dense_problem(
+        "ag-matmul", P.get_dense_shape("ag-matmul", "tiny"), 1, 0, torch.float32, "cpu"
+    )
+    assert Hn._tile_fill(dense, None) is None and R.fill_line({}) is None
+
+
 def test_rel_error():
     a = torch.ones(4)
     assert Hn.rel_error(a, a) == 0.0
@@ -438,6 +472,13 @@ def test_cli_layer0_json_png_md(tmp_path, capsys):
     if names["fused"]["status"] == "ok":
         assert names["fused"]["check"] == "ok"
     assert "| case |" in md.read_text()
+    # the tiles' fill, from this run's own routing, in the JSON, the table and the markdown
+    p = B.make_moe_problem(P.PRESETS["tiny"], 1, 0, torch.float32, "cpu", n_sets=run["input_sets"])
+    n = [torch.bincount(s.topk_ids_TK.flatten(), minlength=4).tolist() for s in p.sets]
+    want = sum(map(sum, n)) / (128 * sum(-(-c // 128) for cs in n for c in cs))
+    assert run["tile_fill_per_rank"] == [pytest.approx(want)]
+    assert f"fill {want:.1%} of their 128-row GEMM tiles" in md.read_text()
+    assert f"fill {want:.1%}" in out
     if HAS_MPL:
         assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -539,7 +580,9 @@ _DS_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 os.environ["MASTER_ADDR"] = "127.0.0.1"
 os.environ["MASTER_PORT"] = sys.argv[1]
-dist.init_process_group("gloo", rank=0, world_size=1)
+alone = sys.argv[2] == "alone"  # no process group: the baseline starts its own
+if not alone:
+    dist.init_process_group("gloo", rank=0, world_size=1)
 from moe_overlap import reference
 from moe_overlap.bench import baselines as B, harness as Hn, presets as P
 from moe_overlap.world import local_world
@@ -555,7 +598,9 @@ for bwd in (False, True):
                             p.w1.double(), p.w2.double())
     assert Hn.rel_error(got, ref) < 1e-5, (bwd, Hn.rel_error(got, ref))
     assert Hn.rel_error(got, want) < 1e-5, (bwd, Hn.rel_error(got, want))
-dist.destroy_process_group()
+    assert dist.is_initialized() and dist.get_world_size() == 1
+if not alone:  # else its own group goes down at exit
+    dist.destroy_process_group()
 print("DEEPSPEED-OK")
 """
 
@@ -634,20 +679,69 @@ def test_deepspeed_baseline_with_two_processes(tmp_path):
 
 
 @needs_ref
-def test_deepspeed_baseline_matches(tmp_path):
+@pytest.mark.parametrize("group", ["torchrun", "alone"])
+def test_deepspeed_baseline_matches(group):
+    """Against the float64 reference and the TorchTitan-style baseline, forward and backward,
+    under a process group the caller made (torchrun) and without one (the one-rank tables)."""
     import importlib.util
 
     if importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed not installed")
-    port = str(29500 + os.getpid() % 1000)
+    port = str(29500 + os.getpid() % 1000 + (group == "alone"))
     r = subprocess.run(
-        [sys.executable, "-c", _DS_SCRIPT, port],
+        [sys.executable, "-c", _DS_SCRIPT, port, group],
         capture_output=True,
         text=True,
         timeout=300,
         env=dict(os.environ, TRITON_INTERPRET="1"),
     )
     assert r.returncode == 0 and "DEEPSPEED-OK" in r.stdout, r.stderr[-3000:]
+
+
+@needs_ref
+def test_cli_tables_show_deepspeed_at_one_rank_without_torchrun(tmp_path):
+    """The one-rank tables (no torchrun, as ``tests/gpu/bench_h200.sh`` runs them) measure
+    DeepSpeed's layer; emulated ranks in one process cannot host it and say why."""
+    import importlib.util
+    import json
+
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    for ws in ("1", "2"):
+        out = tmp_path / f"ds{ws}.json"
+        argv = [
+            "moe",
+            "--preset",
+            "tiny",
+            "--baselines",
+            "deepspeed,unfused",
+            "--candidates",
+            "none",
+            "--device",
+            "cpu",
+            "--world-size",
+            ws,
+            "--json",
+            str(out),
+            *FAST,
+        ]
+        r = subprocess.run(
+            [sys.executable, "-m", "moe_overlap.bench", *argv],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        data = json.loads(out.read_text())
+        run = data["runs"][0] if "runs" in data else data
+        ds = {c["name"]: c for c in run["cases"]}["deepspeed"]
+        if ws == "1":
+            assert ds["status"] == "ok", ds
+            assert ds["rel_err"]["reference"] < 1e-5, ds
+        else:
+            assert ds["status"] != "ok" and "one process per rank" in json.dumps(ds), ds
 
 
 _TORCHRUN_MERGE_SCRIPT = """

@@ -147,6 +147,21 @@ def table_rows(run: dict) -> list[list[str]]:
 HEADER = ["case", "role", "median ms", "TFLOP/s", "vs floor", "vs fastest", "rel. error", "note"]
 
 
+def fill_line(run: dict) -> str | None:
+    """How full the grouped GEMMs' row tiles are (MoE ops), or None."""
+    from .harness import FILL_TILE_M
+
+    fills = [f for f in run.get("tile_fill_per_rank") or [] if f is not None]
+    if not fills:
+        return None
+    lo, hi = min(fills), max(fills)
+    share = f"{lo:.1%}" if hi - lo < 5e-4 else f"{lo:.1%}-{hi:.1%} (over ranks)"
+    return (
+        f"routed rows fill {share} of their {FILL_TILE_M}-row GEMM tiles (each expert's rows "
+        "rounded up to whole tiles; TFLOP/s count real rows only)"
+    )
+
+
 def format_table(run: dict) -> str:
     """A plain-text table of one run."""
     rows = [HEADER] + table_rows(run)
@@ -167,6 +182,9 @@ def format_table(run: dict) -> str:
                 f"; communication alone {m['comm_alone_ms']:.3f} ms, {m['hidden_share']:.0%} hidden"
             )
         lines.append(line)
+    fill = fill_line(run)
+    if fill:
+        lines.append(fill)
     return "\n".join(lines)
 
 
@@ -326,6 +344,9 @@ def append_markdown(runs: list, env: dict, path) -> Path:
             if "hidden_share" in m:
                 s += f", {m['hidden_share']:.0%} of communication hidden"
             lines += ["", s]
+        fill = fill_line(run)
+        if fill:
+            lines += ["", fill]
         lines.append("")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
