@@ -738,7 +738,7 @@ def _kept_rows(problem, world):
     return None
 
 
-# The grouped GEMMs' row tile (every pinned config's BM, and torch._grouped_mm's largest).
+# The fused grouped GEMMs' row tile (BM of every pinned config in configs.json).
 FILL_TILE_M = 128
 
 
