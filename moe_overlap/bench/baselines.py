@@ -24,8 +24,7 @@ What each baseline is (all eager, no ``torch.compile``):
   ``layer0``/``layer1`` versions take the group bounds from the host, precomputed).
 * ``mo_baseline``: this library's own plain path, ``moe_overlap.dispatch.baseline``.
 * ``deepspeed``: ``deepspeed.moe.layer.MoE`` (eval mode, dropless, no noisy gate) when
-  deepspeed imports: under torchrun, one process per rank; at one rank without torchrun, on a
-  process group of this process alone that the baseline starts (:func:`_one_process_group`).
+  deepspeed imports; several ranks under torchrun (one process each), one rank with or without.
 * dense TP: ``mm`` (floor: the whole GEMM on one rank's operands), ``nccl`` (all_gather + mm,
   mm + reduce_scatter; needs torch.distributed), ``symm_mem``
   (``torch.ops.symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``).
@@ -1003,27 +1002,6 @@ def _moe_mo_baseline(p: MoEProblem, world) -> Case:
     )
 
 
-def _one_process_group(device: torch.device) -> None:
-    """Start a default process group of this process alone (an in-memory store, NCCL on CUDA,
-    gloo elsewhere), torn down at exit. DeepSpeed's MoE asks torch.distributed for its groups
-    and its dropless capacity all-reduce even at one rank, so without this the one-rank tables
-    (``tests/gpu/bench_h200.sh``, no torchrun) could not show it. Only the DeepSpeed baseline
-    starts it: the dense baselines also need a torch.distributed *world*, which a local one is
-    not, so they stay unavailable as before."""
-    import atexit
-
-    import torch.distributed as dist
-
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-    def _down():
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    atexit.register(_down)
-
-
 def _moe_deepspeed(p: MoEProblem, world) -> Case:
     import importlib.util
 
@@ -1036,13 +1014,12 @@ def _moe_deepspeed(p: MoEProblem, world) -> Case:
     if s.activation != "swiglu" or s.score_func != "softmax" or s.topk != 2:
         # DeepSpeed renormalizes the two weights of top-2 only (top-1 keeps the raw softmax).
         raise Unavailable("the deepspeed baseline covers softmax top-2 SwiGLU experts")
-    if not dist.is_available():
-        raise Unavailable("deepspeed's MoE needs torch.distributed")
-    if not dist.is_initialized():
-        if world.world_size != 1:
-            raise Unavailable("deepspeed's MoE needs one process per rank (torchrun)")
-        _one_process_group(p.device)
-    if dist.get_world_size() != world.world_size:
+    # One rank needs no process group: without an expert-parallel group DeepSpeed's layer
+    # skips its collectives (the dropless capacity's all-reduce, the all-to-alls). Several
+    # ranks need one process each.
+    if world.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise Unavailable("deepspeed's MoE needs one process per rank (torchrun)")
+    if world.world_size > 1 and dist.get_world_size() != world.world_size:
         raise Unavailable("deepspeed's MoE needs one process per rank")
     try:
         import deepspeed
