@@ -821,7 +821,7 @@ def combine(rank_results: list, emulated_cuda: bool, world_size: int = 1) -> dic
         "traces": traces,
         "sets": r0["sets"],
         "M": [rr["M"] for rr in rank_results],
-        "fill": [rr.get("fill") for rr in rank_results],
+        "fill": [rr["fill"] for rr in rank_results],
     }
 
 
