@@ -249,6 +249,35 @@ def test_rel_error():
     assert Hn.rel_error((a, 2 * a), (a, a)) == pytest.approx(1.0)
 
 
+def test_git_commit_marks_a_dirty_tree(tmp_path):
+    """A table's commit line must not name a commit whose code was changed (A/B device runs)."""
+    if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("git is not installed")
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t")
+    env["GIT_COMMITTER_EMAIL"] = "t@t"
+
+    def git(*args):
+        subprocess.run(
+            ["git", "-C", str(tmp_path), *args], check=True, env=env, capture_output=True
+        )
+
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-q", "-m", "x")
+    sha = subprocess.run(
+        ["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    sub = tmp_path / "pkg"
+    sub.mkdir()
+    assert R._git_commit(sub) == sha
+    (tmp_path / "untracked.txt").write_text("scratch output does not count\n")
+    assert R._git_commit(sub) == sha
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert R._git_commit(sub) == sha + "+dirty"
+    assert R._git_commit(tmp_path.parent) is None  # no checkout above pytest's tmp dirs
+
+
 # ------------------------------------------------------------------------------- trace
 def test_trace_chrome_json_and_summary(tmp_path):
     buf = Tr.synthetic_buffer(world_size=3, sms=4, tiles_per_sm=5, pad_rows=7)

@@ -13,6 +13,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import subprocess
 import sys
 from pathlib import Path
 
@@ -73,18 +74,40 @@ def _command() -> str:
     return " ".join([prog] + sys.argv[1:])
 
 
-def _git_commit() -> str | None:
-    """HEAD of the checkout this package lives in, read from .git without running git."""
-    here = Path(__file__).resolve()
-    for d in here.parents:
+def _git_commit(start: Path | None = None) -> str | None:
+    """HEAD of the checkout this package lives in, read from .git without running git.
+
+    A tree with uncommitted changes to tracked files (an A/B run copies one onto a device) gets
+    ``+dirty``, so a table never claims a commit its code is not; that check needs ``git`` and
+    is skipped where it is missing or slow.
+    """
+    here = Path(__file__).resolve() if start is None else Path(start).resolve()
+    for d in (here, *here.parents):
         head = d / ".git" / "HEAD"
         if head.is_file():
             ref = head.read_text().strip()
             if ref.startswith("ref: "):
                 f = d / ".git" / ref[5:]
-                return f.read_text().strip() if f.is_file() else None
-            return ref
+                sha = f.read_text().strip() if f.is_file() else None
+            else:
+                sha = ref
+            if sha is not None and _git_dirty(d):
+                sha += "+dirty"
+            return sha
     return None
+
+
+def _git_dirty(root: Path) -> bool:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and bool(out.stdout.strip())
 
 
 def _fmt(v, spec="{:.3f}", none="-"):
