@@ -201,6 +201,13 @@ def route_topk(
     if not 1 <= k <= E:
         raise ValueError(f"top-k {k} must be in [1, {E}]")
     dev = logits_TE.device
+    if bias_E is not None:
+        if bias_E.shape != (E,) or bias_E.dtype != torch.float32 or bias_E.device != dev:
+            raise ValueError(
+                f"bias_E must be fp32 [{E}] on {dev}, got {bias_E.dtype} "
+                f"{list(bias_E.shape)} on {bias_E.device}"
+            )
+        bias_E = bias_E.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=dev)
     w = torch.empty(T, k, dtype=torch.float32, device=dev)
     counts = torch.zeros(E, dtype=torch.int64, device=dev)
@@ -246,7 +253,16 @@ def route_topk_backward(
     gradients of other uses of the logits, or None): fp32 ``[T, E]``, or with ``split`` bf16
     ``[T, 2E]`` whose halves ``hi | lo`` add up to it (16 significant bits)."""
     T, E = logits_TE.shape
+    if logits_TE.dtype != torch.float32 or logits_TE.stride(1) != 1:
+        raise ValueError("route_topk_backward needs fp32 logits with contiguous rows")
+    if ids_TK.dim() != 2 or ids_TK.shape[0] != T or ids_TK.dtype != torch.int64:
+        raise ValueError(f"ids_TK must be int64 [{T}, K], got {ids_TK.dtype} {list(ids_TK.shape)}")
     K = ids_TK.shape[1]
+    if dw_TK is not None and dw_TK.shape != (T, K):
+        raise ValueError(f"dw_TK must be [{T}, {K}], got {list(dw_TK.shape)}")
+    if dl_TE is not None and dl_TE.shape != (T, E):
+        raise ValueError(f"dl_TE must be [{T}, {E}], got {list(dl_TE.shape)}")
+    ids_TK = ids_TK.contiguous()
     dev = logits_TE.device
     if split:
         out = torch.empty(T, 2 * E, dtype=torch.bfloat16, device=dev)

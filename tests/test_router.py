@@ -159,6 +159,26 @@ def test_correction_bias_stays_fp32_when_the_module_is_cast():
     assert "e_score_correction_bias" in dict(r.named_buffers())
 
 
+def test_cast_keeps_a_trained_correction_bias_exact():
+    """A bias trained in fp32 (or loaded from a checkpoint) must not pass through bf16 when the
+    module is cast: biases closer than a bf16 step would tie and change the selection."""
+    E4 = 4
+    cfg = MoEConfig(H, 5, E4, 1, score_func="sigmoid", router_bias=True)
+    r = Router(cfg)
+    bias = torch.tensor([0.1234567, 0.1235, 1.001, 1.002])
+    with torch.no_grad():
+        r.weight.zero_()
+        r.e_score_correction_bias.copy_(bias)
+    x = randn((3, H))
+    assert r(x).topk_ids.flatten().tolist() == [3, 3, 3]
+    for cast in (lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()):
+        c = cast(r)
+        assert c.e_score_correction_bias.dtype == torch.float32
+        assert torch.equal(c.e_score_correction_bias, bias), c.e_score_correction_bias
+        assert c(x.to(c.weight.dtype)).topk_ids.flatten().tolist() == [3, 3, 3]
+        r = c.float()
+
+
 def test_router_zero_coefs_and_zero_tokens():
     cfg = MoEConfig(H, 5, E, 3, capacity_factor=1.0, aux_loss_coef=1.0, z_loss_coef=1.0)
     r = _router(cfg, torch.float32, seed=6)

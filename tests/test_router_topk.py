@@ -160,6 +160,40 @@ def test_route_topk_bad_input(args, err):
         route_topk(*args, sigmoid=False, norm=True, scale=1.0)
 
 
+@pytest.mark.parametrize(
+    "bias",
+    [torch.full((2,), 5.0), torch.zeros(8, dtype=torch.float64), torch.zeros(8, 1)],
+    ids=["short", "fp64", "2d"],
+)
+def test_route_topk_rejects_a_bad_bias(bias):
+    with pytest.raises(ValueError, match="bias_E"):
+        route_topk(torch.randn(4, 8), 2, True, True, 1.0, bias, interpreted=True)
+
+
+def test_route_topk_strided_bias_selects_like_a_contiguous_one():
+    logits = torch.randn(5, 8)
+    wide = torch.randn(8, 2)
+    ids, w, _ = route_topk(logits, 2, True, True, 1.0, wide[:, 1], interpreted=True)
+    ids2, w2, _ = route_topk(logits, 2, True, True, 1.0, wide[:, 1].contiguous(), interpreted=True)
+    assert torch.equal(ids, ids2) and torch.equal(w, w2)
+
+
+@pytest.mark.parametrize("which", ["ids", "ids dtype", "dw", "dl"])
+def test_route_topk_backward_bad_input(which):
+    logits = torch.randn(4, 8)
+    ids, dw, dl = torch.zeros(4, 2, dtype=torch.int64), torch.randn(4, 2), torch.randn(4, 8)
+    if which == "ids":
+        ids = ids[:3]
+    elif which == "ids dtype":
+        ids = ids.int()
+    elif which == "dw":
+        dw = dw[:, :1]
+    else:
+        dl = dl[:, :7]
+    with pytest.raises(ValueError, match=which.split()[0]):
+        route_topk_backward(logits, ids, dw, dl, False, True, 1.0, False, interpreted=True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_path_non_contiguous_input(dtype, monkeypatch):
     """Rows of a wider tensor (non-contiguous x) route like a contiguous copy, on both paths."""

@@ -197,8 +197,9 @@ def _warm_backward(logits, ids, args) -> None:
         if key in _WARM_BWD:
             continue
         dl = logits if has_dl else None
+        dw = torch.empty(ids.shape, dtype=torch.float32, device=ids.device)
         with warmup_only():
-            route_topk_backward(logits, ids, logits, dl, sigmoid, norm, scale, split, interp)
+            route_topk_backward(logits, ids, dw, dl, sigmoid, norm, scale, split, interp)
         _WARM_BWD.add(key)
 
 
@@ -251,11 +252,14 @@ class Router(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` casts buffers too: the correction bias stays fp32, as
-        # the rest of routing, or its small updates (DeepSeek-V3: 1e-3) round away.
+        # the rest of routing, or its small updates (DeepSeek-V3: 1e-3) round away. The cast
+        # copy has already lost those bits, so the fp32 original only follows the device.
+        old = self.e_score_correction_bias
         super()._apply(fn, recurse)
         b = self.e_score_correction_bias
         if b is not None and b.is_floating_point() and b.dtype != torch.float32:
-            self.e_score_correction_bias = b.float()
+            src = old if old is not None and old.dtype == torch.float32 else b
+            self.e_score_correction_bias = src.to(device=b.device, dtype=torch.float32)
         return self
 
     def extra_repr(self) -> str:
