@@ -150,6 +150,22 @@ def tile_config(env: str, m_local: int, n: int, element_size: int, interpreted: 
     return TileConfig(bm, bn, 64, 8 if bn == 256 else 4, 3)
 
 
+def needs_int64(w) -> bool:
+    """Whether ``[N, K]`` weight ``w``'s element offsets can pass 2**31 (an LM head of 256k x
+    12288 at one rank does): its tile offsets are then formed in int64, otherwise in int32."""
+    n, k = w.shape
+    span = (n - 1) * abs(w.stride(0)) + (k - 1) * abs(w.stride(1)) if n and k else 0
+    return span >= 2**31
+
+
+@triton.jit
+def w_offsets(cols, ks, swn, swk, W64: tl.constexpr):
+    """Element offsets of a ``[BK, BN]`` tile of ``w [N, K]`` (strides ``swn``, ``swk``)."""
+    if W64:
+        return cols.to(tl.int64)[None, :] * swn + ks.to(tl.int64)[:, None] * swk
+    return cols[None, :] * swn + ks[:, None] * swk
+
+
 @triton.jit(do_not_specialize=["rank", "budget"])
 def _ag_matmul_kernel(
     x_ptr,
@@ -180,6 +196,7 @@ def _ag_matmul_kernel(
     BK: tl.constexpr,
     COPY_BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W64: tl.constexpr,
     SAVE_A: tl.constexpr,
     DO_GEMM: tl.constexpr,
     USE_TIMER: tl.constexpr,
@@ -282,7 +299,7 @@ def _ag_matmul_kernel(
                             other=0.0,
                         )
                         bt = tl.load(
-                            w_ptr + cols[None, :] * swn + ks[:, None] * swk,
+                            w_ptr + w_offsets(cols, ks, swn, swk, W64),
                             mask=kmask[:, None] & cmask[None, :],
                             other=0.0,
                         )
@@ -410,6 +427,7 @@ def launch_ag_matmul(
         BK=cfg.BK,
         COPY_BLOCK=1024 if interpreted else 4096,
         HAS_BIAS=bias is not None,
+        W64=needs_int64(w),
         SAVE_A=gout is not None,
         DO_GEMM=do_gemm,
         USE_TIMER=use_timer,

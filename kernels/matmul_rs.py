@@ -43,7 +43,7 @@ what overlaps is the scatter traffic with the GEMM.
 import triton
 import triton.language as tl
 
-from .ag_matmul import TileConfig, tile_config
+from .ag_matmul import TileConfig, needs_int64, tile_config, w_offsets
 from .launch import launch
 from .signals import peer_ptr, signal_set, wait_geq
 
@@ -89,6 +89,7 @@ def _matmul_rs_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W64: tl.constexpr,
     USE_TIMER: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty
@@ -122,7 +123,7 @@ def _matmul_rs_kernel(
                     other=0.0,
                 )
                 bt = tl.load(
-                    w_ptr + cols[None, :] * swn + ks[:, None] * swk,
+                    w_ptr + w_offsets(cols, ks, swn, swk, W64),
                     mask=kmask[:, None] & cmask[None, :],
                     other=0.0,
                 )
@@ -249,6 +250,7 @@ def launch_matmul_rs(
         BN=cfg.BN,
         BK=cfg.BK,
         HAS_BIAS=bias is not None,
+        W64=needs_int64(w),
         USE_TIMER=use_timer,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

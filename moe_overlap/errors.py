@@ -33,12 +33,20 @@ class CommTimeoutError(RuntimeError):
         self.rank, self.stage, self.index = rank, stage, index
         self.expected, self.seen = expected, seen
         name = STAGES.get(stage, f"stage {stage}")
+        # The handshake's flag is the peer's own ready word, so its index is the peer's rank;
+        # other stages' indices are per-op flag numbers (tiles, slices), named as such.
+        what = f"rank {index}'s ready flag" if stage == 1 else f"flag {index}"
         super().__init__(
-            f"rank {rank}: wait timed out in {name}: flag {index} expected >= {expected}, "
+            f"rank {rank}: wait timed out in {name}: {what} expected >= {expected}, "
             f"saw {seen}. A peer did not produce in time (crashed, hung, or launched a different "
             f"op); if the peer is merely slow (JIT compile), raise the budget: "
             f"MOE_OVERLAP_WAIT_TIMEOUT_S on the GPU, MOE_OVERLAP_WAIT_ITERS in the interpreter."
         )
+
+    def __reduce__(self):
+        # Rebuilt from its fields, so it crosses process boundaries (multiprocessing, a
+        # ProcessPoolExecutor) as itself; the default would call __init__ with the message.
+        return type(self), (self.rank, self.stage, self.index, self.expected, self.seen)
 
 
 class MissingBackendError(ImportError):

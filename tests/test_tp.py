@@ -281,6 +281,31 @@ def test_no_grad_and_noncontiguous_inputs():
         assert_close(outs[r][1], total[r * Ms : (r + 1) * Ms], dtype=F32)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_weight_spanning_more_than_2_to_the_31_elements(op):
+    """A weight whose element offsets pass 2**31 (a 256k x 12288 LM head at one rank) is
+    addressed in int64: with int32 offsets its third row wrapped around (a segfault on the
+    CPU, wrong rows or an illegal address on a GPU). Three rows of a view with a row stride
+    of 2**30 + 64 stand for it; only those rows of the 4 GiB allocation are ever touched."""
+    from moe_overlap.kernels.ag_matmul import needs_int64
+
+    S, N, K = 2**30 + 64, 3, 16
+    base = torch.empty(2 * S + K, dtype=torch.float16)
+    w = base.as_strided((N, K), (S, 1))
+    assert needs_int64(w) and not needs_int64(w[:2]) and not needs_int64(w[:0])
+    gen = _gen("span")
+    with torch.no_grad():
+        for i in range(N):
+            w[i].copy_(_randn(gen, K).half())
+    x = _randn(gen, 5, K).half().requires_grad_(True)
+    fn = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+    y = fn(x, w, local_world("cpu"))
+    assert_close(y, x.double() @ w.double().t(), dtype=torch.float16)
+    dy = _randn(gen, 5, N).half()
+    y.backward(dy)  # the dgrad is the other op with w.t(): the same span, transposed
+    assert_close(x.grad, dy.double() @ w.double(), dtype=torch.float16, name="dx")
+
+
 # ---------------------------------------------------------------------------- bad input
 def test_rows_not_divisible_by_world_size():
     def fn(world):
@@ -508,6 +533,20 @@ def test_parallel_linear_construction_and_errors():
             col(torch.randn(3, 5))
         with pytest.raises(ValueError, match="multiple of world_size"):
             row(torch.randn(3, 2))
+        # the unfused paths refuse what the fused ones refuse, before any collective
+        plain_col = ColumnParallelLinear(6, 4, world, gather_input=False)
+        plain_row = RowParallelLinear(4, 6, world, scatter_output=False)
+        for layer, k in ((col, 6), (row, 2), (plain_col, 6), (plain_row, 2)):
+            with pytest.raises(TypeError, match="dtype"):
+                layer(torch.randn(4, k, dtype=torch.float16))
+        with pytest.raises(ValueError, match="meta"):
+            plain_row(torch.randn(4, 2, device="meta"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts x itself
+            assert plain_col(torch.randn(4, 6)).dtype == torch.bfloat16
+        with pytest.raises(TypeError, match="bias_full must be a tensor"):
+            ColumnParallelLinear.from_full(torch.randn(4, 4), world, bias_full=[0.0] * 4)
+        with pytest.raises(TypeError, match="floating"):
+            RowParallelLinear.from_full(torch.ones(4, 4, dtype=torch.int64), world)
         return col.weight.detach().clone()
 
     w0, w1 = spawn(2, fn)

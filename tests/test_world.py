@@ -540,6 +540,17 @@ def test_spawn_single_rank_reraises():
         spawn(1, fn)
 
 
+def test_comm_timeout_error_pickles_and_names_the_peer_of_a_handshake():
+    import pickle
+
+    e = CommTimeoutError(rank=1, stage=6, index=3, expected=1, seen=0)
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is CommTimeoutError and str(back) == str(e)
+    assert (back.rank, back.stage, back.index, back.expected, back.seen) == (1, 6, 3, 1, 0)
+    assert "flag 3 expected >= 1" in str(e)
+    assert "rank 2's ready flag expected >= 5" in str(CommTimeoutError(0, 1, 2, 5, 4))
+
+
 def test_prefer_eager_module_loading(monkeypatch):
     from moe_overlap.world import emulated
 

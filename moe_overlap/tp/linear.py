@@ -137,10 +137,25 @@ def _check_full(weight_full, bias_full):
     """``(out, in)`` of a full ``nn.Linear`` weight handed to ``from_full``, bias checked."""
     if not isinstance(weight_full, torch.Tensor) or weight_full.dim() != 2:
         raise ValueError("weight_full must be a 2-D tensor [out_features, in_features]")
+    if not weight_full.is_floating_point():
+        raise TypeError(f"weight_full must be a floating tensor, got {weight_full.dtype}")
     out_f, in_f = weight_full.shape
-    if bias_full is not None and tuple(bias_full.shape) != (out_f,):
-        raise ValueError(f"bias_full must have shape ({out_f},), got {tuple(bias_full.shape)}")
+    if bias_full is not None:
+        if not isinstance(bias_full, torch.Tensor):
+            raise TypeError(f"bias_full must be a tensor or None, got {type(bias_full).__name__}")
+        if tuple(bias_full.shape) != (out_f,):
+            raise ValueError(f"bias_full must have shape ({out_f},), got {tuple(bias_full.shape)}")
     return out_f, in_f
+
+
+def _check_unfused_input(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The unfused paths' input check: the fused ops check the same before launching, so
+    both paths refuse alike rather than one with a matmul's RuntimeError. Under autocast the
+    matmul casts x itself, so only the device is checked there."""
+    if x.device != weight.device:
+        raise ValueError(f"{name}: input is on {x.device}, the weight on {weight.device}")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise TypeError(f"{name}: input dtype {x.dtype} differs from the weight's {weight.dtype}")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -226,6 +241,7 @@ class ColumnParallelLinear(nn.Module):
         if self.gather_input:
             y = all_gather_matmul(x2, self.weight, self.world, self.bias)
             return y.view(self.world.world_size * lead[0], *lead[1:], self.out_local)
+        _check_unfused_input("ColumnParallelLinear", x2, self.weight)
         x2 = copy_to_tensor_parallel(x2, self.world)
         return F.linear(x2, self.weight, self.bias).view(*lead, self.out_local)
 
@@ -328,6 +344,7 @@ class RowParallelLinear(nn.Module):
                 )
             y = matmul_reduce_scatter(x2, self.weight, self.world, self.bias)
             return y.view(lead[0] // W, *lead[1:], self.out_features)
+        _check_unfused_input("RowParallelLinear", x2, self.weight)
         y = reduce_from_tensor_parallel(F.linear(x2, self.weight), self.world)
         if self.bias is not None:
             y = y + self.bias
