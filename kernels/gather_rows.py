@@ -112,6 +112,10 @@ def gather_rows(
     ``row_scale_R`` fp32 or None; ``out_RH``: where to write (``[R, H]``, x's dtype, rows
     contiguous), else a new tensor."""
     R, H = row_tok_R.shape[0], x_TH.shape[1]
+    for name, t in (("x_TH", x_TH), ("recv_RH", recv_RH)):
+        # The kernel steps rows by stride(0) and columns by 1.
+        if t is not None and t.numel() and t.stride(1) != 1:
+            raise ValueError(f"gather_rows needs {name} with contiguous rows, strides {t.stride()}")
     if out_RH is None:
         out = torch.empty(R, H, dtype=x_TH.dtype, device=x_TH.device)
     else:

@@ -63,6 +63,11 @@ def _row_dot_kernel(
     tl.store(out_ptr + a, d, mask=am)
 
 
+def _strided_rows(t: torch.Tensor) -> bool:
+    # An empty tensor is read nowhere, whatever its strides.
+    return t.numel() > 0 and t.stride(-1) != 1
+
+
 def row_dot(
     o_SH: torch.Tensor,
     dy_TH: torch.Tensor,
@@ -73,7 +78,7 @@ def row_dot(
     """``out [T*K]`` fp32 with ``out[a] = <o[slot_of[a]], dy[a // top_k]>`` (0 where
     ``slot_of[a] < 0``). ``o_SH`` and ``dy_TH``: rows contiguous, same dtype; ``slot_of_A``
     int32 ``[T*K]``."""
-    if o_SH.stride(-1) != 1 or dy_TH.stride(-1) != 1:
+    if _strided_rows(o_SH) or _strided_rows(dy_TH):
         raise ValueError("row_dot needs row-contiguous o and dy")
     if o_SH.shape[1] != dy_TH.shape[1]:
         raise ValueError(f"o has {o_SH.shape[1]} columns, dy {dy_TH.shape[1]}")
@@ -155,7 +160,7 @@ def weights_grad_from_partials(
     DW_MIN_WEIGHT`` the dot is read from ``o_SH`` / ``dy_TH`` as in :func:`row_dot`."""
     if part_SN.dtype != torch.float32 or part_SN.dim() != 2 or not part_SN.is_contiguous():
         raise ValueError("part_SN must be a contiguous fp32 [S, n] tensor")
-    if o_SH.stride(-1) != 1 or dy_TH.stride(-1) != 1:
+    if _strided_rows(o_SH) or _strided_rows(dy_TH):
         raise ValueError("weights_grad_from_partials needs row-contiguous o and dy")
     TK, H = slot_of_A.numel(), dy_TH.shape[1]
     if TK != dy_TH.shape[0] * top_k or w_A.numel() != TK:

@@ -234,12 +234,13 @@ def check_against_reference(prob: Problem, got, grads_of=GRAD_NAMES, dtype=torch
 
 
 # ------------------------------------------------------------------------------ forward+backward
+EMPTY_RANK = Case(2, (10, 0), 13, 20, 6, 2, "swiglu", False, "hot")  # a rank with no tokens
 CASES = [
     Case(1, (9,), 13, 7, 4, 2, "swiglu", True, "uniform"),
     Case(1, (12,), 24, 20, 8, 1, "gelu", False, "zipf"),
     Case(1, (7,), 13, 20, 3, 3, "relu", True, "drop"),  # K = E
     Case(2, (8, 5), 24, 7, 4, 4, "silu", False, "uniform"),  # K = E
-    Case(2, (10, 0), 13, 20, 6, 2, "swiglu", False, "hot"),  # a rank with no tokens
+    EMPTY_RANK,
     Case(2, (12, 11), 13, 7, 6, 6, "gelu", True, "hot"),  # 72 rows per source: 2 chunks
     Case(3, (5, 0, 9), 24, 20, 6, 2, "relu", False, "sparse"),  # rank 2's experts empty
     Case(3, (4, 7, 6), 13, 7, 9, 1, "silu", True, "zipf"),
@@ -649,6 +650,24 @@ def test_one_assignment_in_the_whole_world(expert):
         if r != 1:
             assert torch.equal(grads["x"], torch.zeros_like(grads["x"]))
             assert torch.equal(grads["topk_weights"], torch.zeros(case.tokens[r], case.K))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(1, (0,), 13, 20, 4, 2, "swiglu", True, "uniform"), EMPTY_RANK],
+    ids=["W1", "W2"],
+)
+def test_empty_rank_backward_with_the_gradient_of_a_sum(case):
+    """``y.sum().backward()`` on a rank with no tokens hands the backward a [0, H] gradient
+    with strides (0, 0); an empty tensor counts as contiguous, so it reached the row kernels
+    as is and they refused it (and at W > 1 the peers then timed out)."""
+
+    def zero_strided(g):
+        return g if g.numel() else g.new_ones(()).expand(g.shape)
+
+    prob = make_problem(case)
+    got = run_fused(prob, gy_layout=zero_strided)
+    check_against_reference(prob, got)
 
 
 # ------------------------------------------------------------------------------ repeated calls
@@ -1186,6 +1205,12 @@ BAD = [
     ("b1 shape", dict(b1=torch.randn(El0, F0)), ValueError, "b1"),
     ("b2 shape", dict(b2=torch.randn(El0, H0 + 1)), ValueError, "b2"),
     ("b1 not a tensor", dict(b1=1.0), ValueError, "b1"),
+    (
+        "no experts",
+        dict(w1=randn((0, 2 * F0, H0)), w2=randn((0, H0, F0))),
+        ValueError,
+        "no experts",
+    ),
     ("activation", dict(activation="tanh"), ValueError, "activation"),
     ("activation none", dict(activation="none"), ValueError, "activation"),
     ("w1 device", dict(w1=_meta(torch.empty(El0, 2 * F0, H0))), ValueError, "w1"),

@@ -39,6 +39,19 @@ def test_gather_rows_equals_torch_bitwise(dtype, T, R, H, with_recv, with_scale)
         assert torch.equal(out, want), (out - want).abs().max()
 
 
+@pytest.mark.parametrize("which", ["x", "recv"])
+def test_gather_rows_refuses_strided_columns(which):
+    # The kernel steps columns by 1: a column-strided input read the wrong elements.
+    x, recv = torch.randn(6, 8), torch.randn(5, 8)
+    if which == "x":
+        x = torch.randn(6, 16)[:, ::2]
+    else:
+        recv = torch.randn(8, 5).t()
+    tok = torch.tensor([0, -1, 3, -2, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gather_rows(x, tok, recv, interpreted=True)
+
+
 @pytest.mark.parametrize("R,A", [(1, 1), (37, 20), (64, 0), (5, 9)])
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 def test_row_scale_equals_torch(R, A, wdtype):

@@ -193,3 +193,7 @@ def test_layer_bad_input():
         mo.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=5)
     with pytest.raises(ValueError, match="impl"):
         mo.MoELayer(cfg, world=mo.local_world(device="cpu"), impl="nope")
+    experts = layer.experts
+    ids, wts = torch.zeros(2, 2, dtype=torch.long), torch.rand(2, 2)
+    with pytest.raises(ValueError, match="impl"):  # a typo must not run the baseline quietly
+        experts(torch.randn(2, H), ids, wts, layer.world, impl="fuzed")

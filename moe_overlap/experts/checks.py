@@ -52,6 +52,8 @@ def check_expert_args(x, topk_ids, topk_weights, w1, w2, activation, b1=None, b2
             f"{tuple(w1.shape)} and {tuple(w2.shape)}"
         )
     El, H2, F = w2.shape
+    if El < 1:
+        raise ValueError(f"w1 and w2 hold no experts (w2 is {tuple(w2.shape)}): El must be >= 1")
     rows = 2 * F if activation == "swiglu" else F
     if tuple(w1.shape) != (El, rows, H):
         raise ValueError(

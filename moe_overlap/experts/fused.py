@@ -1347,7 +1347,9 @@ def _backward_impl(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, 
 
 def _backward_body(dy, saved, topk_weights, w1, w2, b1, b2, world, layout, act, x_dtype):
     h, gu, x_rows, o, row_slot = (saved[k] for k in ("h", "gu", "x_rows", "o", "row_slot"))
-    dy = dy.contiguous().to(x_dtype)
+    # An empty dy counts as contiguous whatever its strides: ``y.sum()``'s gradient on a rank
+    # with no tokens has strides (0, 0), which the row kernels refuse. Make it dense.
+    dy = dy.contiguous().to(x_dtype) if dy.numel() else dy.new_empty(dy.shape, dtype=x_dtype)
     T, H = dy.shape
     K = layout.top_k
     ws = _workspace(world, layout, H, dy.dtype)

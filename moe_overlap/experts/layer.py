@@ -34,6 +34,9 @@ def _act(v, activation):
     return Fn.silu(v)
 
 
+IMPLS = ("fused", "baseline")  # fused kernels, or all-to-all + grouped_mm (the baseline)
+
+
 class GroupedExperts(nn.Module):
     """The El experts of this rank as two stacked weights (optionally with biases)."""
 
@@ -75,6 +78,8 @@ class GroupedExperts(nn.Module):
         self.down_proj.copy_(down_global[sl])
 
     def forward(self, x, topk_ids, topk_weights, world, impl="fused", max_tokens_per_rank=None):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be 'fused' or 'baseline', got {impl!r}")
         if impl == "fused":
             return fused_experts(
                 x,
@@ -158,7 +163,7 @@ class MoELayer(nn.Module):
 
         if not isinstance(cfg, MoEConfig):
             raise TypeError(f"cfg must be a MoEConfig, got {type(cfg).__name__}")
-        if impl not in ("fused", "baseline"):
+        if impl not in IMPLS:
             raise ValueError(f"impl must be 'fused' or 'baseline', got {impl!r}")
         self.world = world if world is not None else default_world()
         W = self.world.world_size
