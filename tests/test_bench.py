@@ -869,3 +869,37 @@ def test_measure_interleaved_rotates_splits_and_drops_failures():
     one = FakeCase("one")
     t, f = Hn.measure_interleaved([one], torch.device("cpu"), world, ("n", 0), ("n", 1), 5)
     assert not f and len(t["one"]["ms"]) == 1 and one.calls == [0]
+
+
+@pytest.mark.parametrize("when", ["estimate", "warm-up", "timed"])
+def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when):
+    """One rank's failure (an out-of-memory on its uneven share, a timeout only it saw) must
+    drop the case on every rank together: a rank that skipped the case's collectives while its
+    peers ran them left them waiting until the barrier timeout, and every result was lost."""
+
+    class FakeCase:
+        def __init__(self, name, world, fail_on_call=None):
+            self.name, self.world, self.fail_on_call, self.n = name, world, fail_on_call, 0
+
+        def step(self, i):
+            self.n += 1
+            if self.world.rank == 1 and self.n == self.fail_on_call:
+                raise RuntimeError("out of memory on rank 1")
+
+    from moe_overlap.testing import spawn
+
+    # Counts in milliseconds take an estimate (calls 1-2) first; counts in calls do not, and
+    # then each of the 3 rounds makes 1 warm-up call and 2 timed ones (calls 1-3, 4-6, 7-9).
+    call = {"estimate": 1, "warm-up": 4, "timed": 5}[when]
+    warm = ("ms", 0.01) if when == "estimate" else ("n", 3)
+
+    def fn(world):
+        cases = [FakeCase("a", world), FakeCase("b", world, call), FakeCase("c", world)]
+        return Hn.measure_interleaved(cases, torch.device("cpu"), world, warm, ("n", 6), 3)
+
+    res = spawn(2, fn, timeout=60)
+    for rank, (timings, failures) in enumerate(res):
+        assert set(timings) == {"a", "c"} and set(failures) == {"b"}, (rank, failures)
+        assert len(timings["a"]["ms"]) == len(timings["c"]["ms"]) == 6
+    assert res[1][1]["b"] == "RuntimeError: out of memory on rank 1"
+    assert res[0][1]["b"] == "failed on rank 1"

@@ -433,17 +433,28 @@ def _counts(warm, rep, est_ms) -> tuple[int, int]:
     return n_of(warm, 1, 200), max(1, n_of(rep, 5, 1000))
 
 
-def _estimate_ms(step, device, world) -> float:
-    """Mean time of two calls (host clock), the same on every rank (their maximum)."""
+def _estimate_ms(step, device) -> float:
+    """Mean time of two calls (host clock), on this rank only."""
     _sync(device)
     t0 = time.perf_counter()
     for i in range(2):
         step(i)
     _sync(device)
-    est = (time.perf_counter() - t0) / 2 * 1e3
-    if world.world_size > 1:  # every rank must run the same counts
-        est = max(v[0] for v in world.all_gather_ints([int(est * 1000)])) / 1000
-    return est
+    return (time.perf_counter() - t0) / 2 * 1e3
+
+
+def _agree(world, err: str | None, *values: int) -> tuple[str | None, list[list[int]]]:
+    """One collective every rank reaches at the same point whether or not its part raised:
+    ``(error, values of every rank)``, the error set on every rank if any rank failed (its
+    own message where it failed, the failing ranks' numbers elsewhere). A rank that skipped
+    a collective after its own failure would leave its peers waiting for it."""
+    if world.world_size == 1:
+        return err, [list(values)]
+    got = world.all_gather_ints([int(err is not None), *values])
+    bad = [r for r, v in enumerate(got) if v[0]]
+    if bad and err is None:
+        err = f"failed on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+    return err, [v[1:] for v in got]
 
 
 def _timed_calls(step, device, first: int, n: int) -> dict:
@@ -479,41 +490,52 @@ def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[d
     rounds = max(1, int(rounds))
     plan, failures = {}, {}
     for c in cases:
-        try:
-            est = 1.0
-            if warm[0] == "ms" or rep[0] == "ms":
-                est = _estimate_ms(c.step, device, world)
-            n_warm, n_rep = _counts(warm, rep, est)
-            plan[c.name] = (n_warm, n_rep)
-        except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
-            failures[c.name] = f"{type(e).__name__}: {e}"
+        est, err = 1.0, None
+        if warm[0] == "ms" or rep[0] == "ms":
+            try:
+                est = _estimate_ms(c.step, device)
+            except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
+                err = f"{type(e).__name__}: {e}"
+        # Every rank runs the same counts: the slowest rank's estimate sets them.
+        err, ests = _agree(world, err, int(est * 1000))
+        if err is not None:
+            failures[c.name] = err
+            continue
+        plan[c.name] = _counts(warm, rep, max(v[0] for v in ests) / 1000)
     live = [c for c in cases if c.name in plan]
     timings = {c.name: {"ms": [], "events": []} for c in live}
     calls = dict.fromkeys(plan, 0)  # input sets keep rotating across rounds
     for r in range(rounds):
         k = r % len(live) if live else 0
         for c in live[k:] + live[:k]:
-            if c.name in failures:
+            if c.name in failures:  # agreed by every rank, so all skip it alike
                 continue
             # Round r's share: the counts split as evenly as they go (1 call: round 0 only).
             n_warm, n_rep = (n // rounds + (r < n % rounds) for n in plan[c.name])
             if n_rep == 0:
                 continue
+            err = None
             try:
                 for _ in range(n_warm):
                     c.step(calls[c.name])
                     calls[c.name] += 1
                 _sync(device)
-                if world.world_size > 1:
-                    world.barrier()
-                t = _timed_calls(c.step, device, calls[c.name], n_rep)
-                calls[c.name] += n_rep
-                timings[c.name]["ms"] += t["ms"]
-                timings[c.name]["events"] += t.get("events", [])
             except Exception as e:  # noqa: BLE001
-                failures[c.name] = f"{type(e).__name__}: {e}"
-            if world.world_size > 1:
-                world.barrier()
+                err = f"{type(e).__name__}: {e}"
+            # Agreeing doubles as the barrier that starts every rank's timed calls together.
+            err, _ = _agree(world, err)
+            if err is None:
+                try:
+                    t = _timed_calls(c.step, device, calls[c.name], n_rep)
+                    calls[c.name] += n_rep
+                except Exception as e:  # noqa: BLE001
+                    err = f"{type(e).__name__}: {e}"
+                err, _ = _agree(world, err)
+            if err is not None:
+                failures[c.name] = err
+                continue
+            timings[c.name]["ms"] += t["ms"]
+            timings[c.name]["events"] += t.get("events", [])
     for name in failures:
         timings.pop(name, None)
     for t in timings.values():
