@@ -9,6 +9,7 @@ float64 (fp32 inputs), one rank and two emulated ranks, forward and backward.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -572,6 +573,11 @@ def test_cli_tune_on_the_cpu_writes_nothing(tmp_path, capsys):
     (["layer0", "--preset", "tiny", "--backward"], "--backward"),
     (["layer0", "--preset", "tiny", "--topk", "9"], "top"),
     (["matmul-rs", "--preset", "tiny", "--world-size", "2", "-m", "7"], "multiple"),
+    (["ag-matmul", "--preset", "tiny", "--world-size", "4", "-n", "30"], "N = 30"),
+    (["matmul-rs", "--preset", "tiny", "--world-size", "4", "-k", "30"], "K = 30"),
+    (["layer0", "--preset", "tiny", "--candidates", "foo"], "unknown ['foo']"),
+    (["layer0", "--preset", "tiny", "--baselines", "deepspeed"], "unknown ['deepspeed']"),
+    (["all", "--presets", "tiny", "--baselines", "nope"], "unknown ['nope']"),
     (["tune", "--preset", "tiny", "--world-size", "3"], "world-size 3"),
 ])  # fmt: skip
 def test_cli_usage_errors_are_one_line(argv, msg, capsys):
@@ -580,6 +586,22 @@ def test_cli_usage_errors_are_one_line(argv, msg, capsys):
         main([*argv, "--device", "cpu"] if argv[0] != "tune" else argv)
     text = str(ei.value.code) + capsys.readouterr().err
     assert msg in text, text
+
+
+def test_all_gives_each_op_the_names_it_has():
+    """``all`` with names that belong to some ops only: each op runs the ones it has (and
+    none where it has none), rather than the whole run stopping at the first op without them."""
+    from moe_overlap.bench.__main__ import _specs
+
+    argv = ["all", "--presets", "tiny", "--ops", "layer0,moe,ag-matmul"]
+    argv += ["--baselines", "grouped_mm,deepspeed"]
+    args = build_parser().parse_args([*argv, "--candidates", "fused", "--device", "cpu"])
+    specs = {s.op: s for s in _specs(args, torch.device("cpu"), torch.float32, 1)}
+    assert specs["layer0"].baselines == ["grouped_mm"] and specs["layer0"].candidates == ["fused"]
+    assert specs["moe"].baselines == ["grouped_mm", "deepspeed"] and specs["moe"].candidates == []
+    assert specs["ag-matmul"].baselines == [] and specs["ag-matmul"].candidates == ["fused"]
+    args = build_parser().parse_args(["all", "--presets", "tiny", "--device", "cpu"])
+    assert all(s.baselines is None for s in _specs(args, torch.device("cpu"), torch.float32, 1))
 
 
 def test_python_m_entry_point():
@@ -903,3 +925,37 @@ def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when):
         assert len(timings["a"]["ms"]) == len(timings["c"]["ms"]) == 6
     assert res[1][1]["b"] == "RuntimeError: out of memory on rank 1"
     assert res[0][1]["b"] == "failed on rank 1"
+
+
+def test_json_holds_no_infinity_or_nan(tmp_path):
+    """A candidate whose output holds NaN has relative error inf: strict JSON parsers refuse
+    Python's ``Infinity``, so non-finite numbers are written as strings."""
+    run = {"status": {"c": {"rel_err": {"b": math.inf, "d": 0.5}, "x": [math.nan, -math.inf]}}}
+    path = R.write_json([run], {"gpu": None, "t": math.inf}, tmp_path / "r.json")
+
+    def refuse(c):
+        raise ValueError(f"non-standard JSON constant {c}")
+
+    doc = json.loads(path.read_text(), parse_constant=refuse)
+    assert doc["runs"][0]["status"]["c"] == {
+        "rel_err": {"b": "inf", "d": 0.5},
+        "x": ["nan", "-inf"],
+    }
+    assert doc["env"]["t"] == "inf"
+
+
+def test_cpu_device_on_a_gpu_machine_is_a_cpu_run(monkeypatch):
+    """``--device cpu`` where CUDA exists: the CLI must still re-run itself under the
+    interpreter, and the environment must not credit the CPU timings to GPU 0."""
+    from moe_overlap.bench.__main__ import _needs_interpreter
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    args = build_parser().parse_args(["layer0", "--device", "cpu"])
+    assert _needs_interpreter(args)
+    assert not _needs_interpreter(build_parser().parse_args(["layer0", "--device", "cuda:0"]))
+    assert not _needs_interpreter(build_parser().parse_args(["layer0"]))
+    env = R.environment(torch.device("cpu"))
+    assert env["gpu"] is None and "mean nothing" in env["note"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not _needs_interpreter(args)  # already interpreted: no second re-execution

@@ -227,6 +227,36 @@ def _none_list(v):
     return [] if v == ["none"] else v
 
 
+def _names_for(op: str, requested, which: str, several_ops: bool):
+    """``requested`` (None: all of them) narrowed to ``op``'s baselines or candidates. Over
+    several ops (``all``) a name belongs to some ops only and is skipped by the others; a
+    name that no op has is a usage error, as is one the single op asked for lacks."""
+    from .harness import case_names
+
+    if requested is None:
+        return None
+    known = case_names(op)[0 if which == "--baselines" else 1]
+    if not several_ops:
+        bad = [n for n in requested if n not in known]
+        if bad:
+            raise SystemExit(f"error: {op} {which}: unknown {bad}; choose from {known}")
+        return list(requested)
+    return [n for n in requested if n in known]
+
+
+def _check_names_exist(ops, args) -> None:
+    from .harness import case_names
+
+    for which, requested in (("--baselines", args.baselines), ("--candidates", args.candidates)):
+        requested = _none_list(requested)
+        if not requested:
+            continue
+        known = sorted({n for op in ops for n in case_names(op)[which == "--candidates"]})
+        bad = [n for n in requested if n not in known]
+        if bad:
+            raise SystemExit(f"error: {which}: unknown {bad}; the ops run have {known}")
+
+
 def _specs(args, device, dtype, world_size):
     from .harness import RunSpec, parse_amount
     from .presets import get_dense_shape, get_moe_shape
@@ -240,6 +270,7 @@ def _specs(args, device, dtype, world_size):
     bad = [o for o in ops if o not in OPS]
     if bad:
         raise SystemExit(f"unknown op(s) {bad}; choose from {OPS}")
+    _check_names_exist(ops, args)
     if getattr(args, "backward", False) and "moe" not in ops:
         raise SystemExit("error: --backward times the whole MoE layer (op moe) only")
     if args.sets is not None and args.sets < 1:
@@ -290,8 +321,12 @@ def _specs(args, device, dtype, world_size):
                     device=device,
                     world_size=world_size,
                     backward=bool(getattr(args, "backward", False)) and op == "moe",
-                    baselines=_none_list(args.baselines),
-                    candidates=_none_list(args.candidates),
+                    baselines=_names_for(
+                        op, _none_list(args.baselines), "--baselines", len(ops) > 1
+                    ),
+                    candidates=_names_for(
+                        op, _none_list(args.candidates), "--candidates", len(ops) > 1
+                    ),
                     warmup=parse_amount(args.warmup),
                     rep=parse_amount(args.rep),
                     rounds=args.rounds,
@@ -308,11 +343,15 @@ def _check_world_fits(op, shape, world_size) -> None:
     """The sizes a world of ``world_size`` ranks must divide (checked before any run)."""
     d = shape.as_dict()
     if op in ("ag-matmul", "matmul-rs"):
-        for name in ("m", "n", "k"):
+        # M is split over ranks by rows; ag-matmul shards the weight's N rows, matmul-rs its
+        # K columns (make_dense_problem).
+        split = {"m": "rows", "n" if op == "ag-matmul" else "k": "weight shards"}
+        for name, what in split.items():
             v = d.get(name)
-            if name == "m" and isinstance(v, int) and v % world_size:
+            if isinstance(v, int) and v % world_size:
                 raise SystemExit(
-                    f"error: {op}: M = {v} rows must be a multiple of --world-size {world_size}"
+                    f"error: {op}: {name.upper()} = {v} ({what}) must be a multiple of "
+                    f"--world-size {world_size}"
                 )
     elif d["experts"] % world_size:
         raise SystemExit(
@@ -500,9 +539,14 @@ def _run_tune(args) -> int:
     return 0
 
 
-def _needs_interpreter() -> bool:
+def _needs_interpreter(args) -> bool:
+    """Whether the kernels must run in the Triton interpreter: on a CPU-only machine, and
+    for ``--device cpu`` on a machine with a GPU (compiled kernels refuse CPU tensors)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False
+    dev = getattr(args, "device", None)
+    if dev is not None and str(dev).split(":")[0] == "cpu":
+        return True
     import torch
 
     return not torch.cuda.is_available()
@@ -513,7 +557,7 @@ def main(argv=None) -> int:
     machine with ``TRITON_INTERPRET=1``); a list runs in-process (tests)."""
     args = build_parser().parse_args(argv)
     args.argv = list(argv) if argv is not None else None
-    if argv is None and _needs_interpreter() and not os.environ.get(_REEXEC_FLAG):
+    if argv is None and _needs_interpreter(args) and not os.environ.get(_REEXEC_FLAG):
         # Triton reads TRITON_INTERPRET when kernels are decorated, i.e. at import: set it and
         # start afresh so the fused kernels can run on the CPU.
         env = dict(os.environ, TRITON_INTERPRET="1", **{_REEXEC_FLAG: "1"})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import subprocess
@@ -54,7 +55,8 @@ def environment(device=None) -> dict:
     except ImportError:
         env["moe_overlap"] = None
     env["git_commit"] = _git_commit()
-    if torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    if on_gpu:
         idx = torch.cuda.current_device() if device is None else torch.device(device).index or 0
         props = torch.cuda.get_device_properties(idx)
         env["gpu"] = torch.cuda.get_device_name(idx)
@@ -291,14 +293,28 @@ def _print_rich(run: dict) -> None:
 
 
 def _jsonable(run: dict) -> dict:
-    return {k: v for k, v in run.items() if k != "traces"}
+    return _finite({k: v for k, v in run.items() if k != "traces"})
+
+
+def _finite(v):
+    """JSON has no inf or NaN (Python writes ``Infinity``, which strict parsers refuse): they
+    become the strings "inf", "-inf", "nan". A candidate whose output holds NaN (a timed-out
+    wait's tile) has relative error inf, and that is worth keeping as such."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def write_json(runs: list, env: dict, path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"env": _finite(env), "runs": [_jsonable(r) for r in runs]}
     with open(path, "w") as f:
-        json.dump({"env": env, "runs": [_jsonable(r) for r in runs]}, f, indent=1, default=str)
+        json.dump(doc, f, indent=1, default=str, allow_nan=False)
         f.write("\n")
     return path
 
