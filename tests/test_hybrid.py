@@ -18,9 +18,12 @@ from moe_overlap import MoEConfig
 from moe_overlap import reference as ref_mod
 from moe_overlap.hybrid import (
     HybridBlock,
+    apply_rope,
+    causal_attention,
     param_kind,
     reference_block,
     rms_norm,
+    rope_tables,
     shard_full_weight,
     sync_replicated_grads,
 )
@@ -237,6 +240,67 @@ def test_reference_block_attention_is_causal_and_norm_in_fp32():
     y2, _ = reference_block(x2, w, cfg, n_heads)
     assert torch.allclose(y1[:3], y2[:3], rtol=0, atol=1e-12)
     assert rms_norm(x.float(), torch.ones(H), 1e-5).dtype == torch.float32
+
+
+# The block's reference shares its norm, RoPE and attention with the sharded block, so these
+# are checked on their own against the formulas written out element by element.
+def test_rms_norm_against_its_formula():
+    g = _gen("rms")
+    x = torch.randn(3, 5, 7, generator=g, dtype=torch.float64) * 3
+    w = torch.randn(7, generator=g, dtype=torch.float64)
+    want = torch.empty_like(x)
+    for i in range(3):
+        for j in range(5):
+            row = x[i, j]
+            want[i, j] = row / (sum(v * v for v in row.tolist()) / 7 + 1e-5) ** 0.5 * w
+    assert torch.allclose(rms_norm(x, w, 1e-5), want, rtol=1e-12, atol=0)
+
+
+def test_rope_rotates_each_pair_by_its_angle():
+    """Rotate-half RoPE: element i pairs with i + d/2 and turns by p * theta^(-2i/d)."""
+    S, d, theta = 6, 8, 500.0
+    x = torch.randn(2, 3, S, d, generator=_gen("rope"), dtype=torch.float64)
+    cos, sin = rope_tables(S, d, theta, torch.float64, "cpu")
+    got = apply_rope(x, cos, sin)
+    want = torch.empty_like(x)
+    for p in range(S):
+        for i in range(d // 2):
+            a = p * theta ** (-2 * i / d)
+            c, s_ = (
+                torch.cos(torch.tensor(a, dtype=torch.float64)),
+                torch.sin(torch.tensor(a, dtype=torch.float64)),
+            )
+            u, v = x[..., p, i], x[..., p, i + d // 2]
+            want[..., p, i] = u * c - v * s_
+            want[..., p, i + d // 2] = u * s_ + v * c
+    assert torch.allclose(got, want, rtol=0, atol=1e-12)
+    # a rotation: norms kept, and position 0 unchanged
+    assert torch.allclose(got.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
+    assert torch.equal(got[..., 0, :], x[..., 0, :])
+
+
+def test_causal_attention_against_an_explicit_masked_softmax():
+    B, S, D, n_heads = 2, 5, 8, 2
+    hd = D // n_heads
+    g = _gen("attn")
+    x = torch.randn(B, S, D, generator=g, dtype=torch.float64)
+    wqkv = torch.randn(3 * D, D, generator=g, dtype=torch.float64) / D**0.5
+    wo = torch.randn(D, D, generator=g, dtype=torch.float64) / D**0.5
+    cos, sin = rope_tables(S, hd, 10000.0, torch.float64, "cpu")
+    got = causal_attention(x, wqkv, wo, n_heads, cos, sin)
+    q, k, v = (x @ wqkv[i * D : (i + 1) * D].t() for i in range(3))
+    out = torch.zeros(B, S, D, dtype=torch.float64)
+    for h in range(n_heads):
+        cols = slice(h * hd, (h + 1) * hd)
+        qh = apply_rope(q[:, :, cols], cos, sin)  # [B, S, hd]: RoPE checked above
+        kh = apply_rope(k[:, :, cols], cos, sin)
+        for b in range(B):
+            for t in range(S):
+                scores = torch.stack([qh[b, t] @ kh[b, u] / hd**0.5 for u in range(t + 1)])
+                p = torch.exp(scores - scores.max())
+                p = p / p.sum()
+                out[b, t, cols] = sum(p[u] * v[b, u, cols] for u in range(t + 1))
+    assert torch.allclose(got, out @ wo.t(), rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------- bad input
