@@ -1012,9 +1012,17 @@ def test_double_backward_raises():
         dx.square().sum().backward()  # a gradient penalty
 
 
-def test_layer0_layer1_api_equals_fused_experts():
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(3, (6, 2, 5), 24, 20, 6, 2, "swiglu", True, "drop", seed=7),
+        Case(2, (9, 0), 13, 7, 4, 1, "swiglu", True, "hot"),  # K = 1, a rank without tokens
+        Case(2, (5, 7), 13, 20, 4, 3, "gelu", True, "zipf"),
+    ],
+    ids=str,
+)
+def test_layer0_layer1_api_equals_fused_experts(case):
     # The benchmark entry points, also used by the GPU test that delays producers per layer.
-    case = Case(3, (6, 2, 5), 24, 20, 6, 2, "swiglu", True, "drop", seed=7)
     prob = make_problem(case)
 
     def fn(world):
@@ -1032,6 +1040,63 @@ def test_layer0_layer1_api_equals_fused_experts():
     for r, (y, y_fused) in enumerate(spawn(case.W, fn, timeout=120)):
         assert_close(y, ys[r], name=f"rank {r}: layer1(layer0(x))")
         assert torch.equal(y, y_fused)
+
+
+def _layer_bad_inputs():
+    g = torch.Generator().manual_seed(5)
+    T, H, F, El, K = 4, 16, 8, 2, 2
+    x = randn((T, H), generator=g)
+    w1, w2 = randn((El, 2 * F, H), generator=g), randn((El, H, F), generator=g)
+    tw = torch.rand(T, K, generator=g)
+    l0 = [
+        ("x rows", dict(x=randn((T + 1, H), generator=g)), ValueError, "layout was built"),
+        ("x int", dict(x=torch.ones(T, H, dtype=torch.int32)), TypeError, "x"),
+        ("w1 H", dict(w1=randn((El, 2 * F, H + 1), generator=g)), ValueError, "w1"),
+        ("w1 El", dict(w1=randn((El + 1, 2 * F, H), generator=g)), ValueError, "w1"),
+        ("w1 odd swiglu", dict(w1=randn((El, 2 * F - 1, H), generator=g)), ValueError, "w1"),
+        ("w1 dtype", dict(w1=w1.half()), TypeError, "w1 dtype"),
+        ("b1 shape", dict(b1=randn((El, F), generator=g)), ValueError, "b1"),
+        ("activation", dict(activation="tanh"), ValueError, "activation"),
+        ("w1 device", dict(w1=w1.to("meta")), ValueError, "w1"),
+    ]
+    l1 = [
+        ("weights shape", dict(topk_weights=torch.rand(T, K + 1, generator=g)), ValueError, "tw"),
+        ("weights rows", dict(topk_weights=torch.rand(T - 1, K, generator=g)), ValueError, "tw"),
+        ("weights int", dict(topk_weights=torch.ones(T, K, dtype=torch.int32)), TypeError, "tw"),
+        ("w2 F", dict(w2=randn((El, H, F + 3), generator=g)), ValueError, "w2"),
+        ("h rows", dict(h=None), ValueError, "rows"),
+        ("b2 shape", dict(b2=randn((El, H + 1), generator=g)), ValueError, "b2"),
+        ("w2 dtype", dict(w2=w2.half()), TypeError, "w2 dtype"),
+    ]
+    base = dict(x=x, w1=w1, w2=w2, topk_weights=tw, b1=None, b2=None, activation="swiglu")
+    return base, [("layer0", *c) for c in l0] + [("layer1", *c) for c in l1]
+
+
+_LAYER_BASE, _LAYER_BAD = _layer_bad_inputs()
+
+
+@pytest.mark.parametrize("which,what,change,err,match", _LAYER_BAD, ids=lambda v: str(v))
+def test_layer_api_bad_input_raises_before_launch(which, what, change, err, match, monkeypatch):
+    """The benchmark entry points check their arguments against the layout as fused_experts
+    does: a wrong weights shape read out of bounds, an int one was taken as floats."""
+    kw = dict(_LAYER_BASE, **change)
+    world = local_world("cpu")
+    layout = fused.dispatch_layout(torch.tensor([[0, 1], [1, -1], [0, 0], [-1, 1]]), 2, world)
+    h = fused.layer0(_LAYER_BASE["x"], layout, _LAYER_BASE["w1"], world)  # a good h
+    if kw.get("h", h) is None:
+        h = h[:-1]
+
+    def boom(*a, **k):
+        raise AssertionError("launched despite bad input")
+
+    for name in ("_launch_layer0", "_launch_layer1"):
+        monkeypatch.setattr(fused, name, boom)
+    match = "topk_weights" if match == "tw" else match
+    with pytest.raises(err, match=match):
+        if which == "layer0":
+            fused.layer0(kw["x"], layout, kw["w1"], world, kw["activation"], b1=kw["b1"])
+        else:
+            fused.layer1(h, layout, kw["topk_weights"], kw["w2"], world, b2=kw["b2"])
 
 
 # ------------------------------------------------------------------------------ timeouts

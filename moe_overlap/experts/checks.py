@@ -84,3 +84,76 @@ def check_expert_args(x, topk_ids, topk_weights, w1, w2, activation, b1=None, b2
     if world is not None and x.device != world.device:
         raise ValueError(f"x is on {x.device} but the world is on {world.device}")
     return T, H, F, El, K
+
+
+def _tensor(name, t, dims):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+
+
+def _same_place(ref_name, ref, world, **others):
+    for name, t in others.items():
+        if t is None:
+            continue
+        if t.dtype != ref.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from {ref_name} dtype {ref.dtype}")
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+    if ref.device != world.device:
+        raise ValueError(f"{ref_name} is on {ref.device} but the world is on {world.device}")
+
+
+def check_layer0_args(x, layout, w1, world, activation, b1=None) -> None:
+    """:func:`moe_overlap.experts.fused.layer0`'s arguments against the ``layout`` they run
+    on: x ``[T, H]`` with the layout's T; w1 ``[El, 2F or F, H]`` with its El; b1 ``[El, 2F or
+    F]``; all in x's dtype, on x's device (the world's)."""
+    _tensor("x", x, 2)
+    _tensor("w1", w1, 3)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    T, H = x.shape
+    El = layout.local_experts
+    if T != layout.num_tokens:
+        raise ValueError(f"x has {T} rows but the layout was built for {layout.num_tokens} tokens")
+    rows = w1.shape[1]
+    if w1.shape[0] != El or w1.shape[2] != H or (activation == "swiglu" and rows % 2):
+        what = "[El, 2F, H]" if activation == "swiglu" else "[El, F, H]"
+        raise ValueError(f"w1 must be {what} with El={El}, H={H}, got {tuple(w1.shape)}")
+    if b1 is not None:
+        _tensor("b1", b1, 2)
+        if tuple(b1.shape) != (El, rows):
+            raise ValueError(f"b1 must be [{El}, {rows}], got {tuple(b1.shape)}")
+    _same_place("x", x, world, w1=w1, b1=b1)
+
+
+def check_layer1_args(h, layout, topk_weights, w2, world, b2=None) -> None:
+    """:func:`moe_overlap.experts.fused.layer1`'s arguments: h ``[R, F]`` as layer 0 returned
+    it for ``layout``; topk_weights ``[T, K]`` of the layout's tokens; w2 ``[El, H, F]``; b2
+    ``[El, H]``; all but topk_weights in h's dtype; everything on h's device (the world's)."""
+    _tensor("h", h, 2)
+    _tensor("topk_weights", topk_weights, 2)
+    _tensor("w2", w2, 3)
+    R, F = h.shape
+    El = layout.local_experts
+    if R != layout.rows_cap:
+        raise ValueError(
+            f"h must have the layout's {layout.rows_cap} rows (layer0's output), got {R}"
+        )
+    if tuple(topk_weights.shape) != (layout.num_tokens, layout.top_k):
+        raise ValueError(
+            f"topk_weights must be [{layout.num_tokens}, {layout.top_k}], "
+            f"got {tuple(topk_weights.shape)}"
+        )
+    if w2.shape[0] != El or w2.shape[2] != F:
+        raise ValueError(f"w2 must be [El={El}, H, F={F}], got {tuple(w2.shape)}")
+    if b2 is not None:
+        _tensor("b2", b2, 2)
+        if tuple(b2.shape) != (El, w2.shape[1]):
+            raise ValueError(f"b2 must be [{El}, {w2.shape[1]}], got {tuple(b2.shape)}")
+    _same_place("h", h, world, w2=w2, b2=b2)
+    if topk_weights.device != h.device:
+        raise ValueError(f"topk_weights is on {topk_weights.device} but h is on {h.device}")

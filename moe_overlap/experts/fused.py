@@ -55,7 +55,7 @@ from ..kernels.moe_layer1 import _combine_kernel, _layer1_gemm_kernel
 from ..kernels.row_dot import row_dot, weights_grad_from_partials
 from ..world import SymmTensor, WorkspacePlan, World, interpreted, launch_lock
 from . import tuning
-from .checks import check_expert_args
+from .checks import check_expert_args, check_layer0_args, check_layer1_args
 from .tuning import tune  # noqa: F401 - the bench CLI's tuning hook
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -1445,6 +1445,7 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
     the row slots on ``layout`` for :func:`layer1`. ``trace``: optional int64 ``[n, 6]`` buffer
     that receives one (rank, program, tile, start, wait done, end) row per GEMM tile (off: zero
     cost)."""
+    check_layer0_args(x, layout, w1, world, activation, b1)
     ws = _workspace(world, layout, x.shape[1], x.dtype)
     trace = _check_trace(trace, x.device)
     h, _ = _fwd_layer0(x.contiguous(), layout, w1, world, activation, b1, ws, trace=trace)
@@ -1455,6 +1456,7 @@ def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=N
 def layer1(h, layout: Layout, topk_weights, w2, world: World, b2=None, trace=None):
     """Layer 1 alone (benchmarks): grouped GEMM + combine -> ``y [T, H]`` (``trace`` as in
     :func:`layer0`, one row per GEMM tile)."""
+    check_layer1_args(h, layout, topk_weights, w2, world, b2)
     ws = _workspace(world, layout, w2.shape[1], h.dtype)
     row_slot = getattr(layout, "_row_slot_full", layout.row_slot)
     wflat = topk_weights.contiguous().view(-1)
