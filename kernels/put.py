@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from .nvshmem_device import CMP_GE, putmem_signal_nbi_block, signal_wait_until, wait_signal_geq
-from .signals import load_acquire, now_ns, record_error, wait_geq
+from .signals import gave_up_before, load_acquire, now_ns, record_error, wait_geq
 
 SIGNAL_SET = tl.constexpr(9)
 SIGNAL_ADD = tl.constexpr(10)
@@ -147,7 +147,7 @@ def wait_sum_geq(
     ``signals.wait_geq``'s loop over two words. Folding it into ``wait_geq`` (a constexpr second
     word) would touch every kernel's waits, which the H200 has not re-run: kept apart until
     it can."""
-    budget = tl.where(tl.load(err_ptr, volatile=True) != 0, 0, budget)  # as wait_geq
+    budget = tl.where(gave_up_before(err_ptr), 0, budget)  # as wait_geq
     seen = load_acquire(flag_ptr).to(tl.int64) + load_acquire(sig_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0

@@ -30,6 +30,20 @@ import triton.language as tl
 from .launch import launch
 
 
+# Reads per now_ns call: >= 32 x the warps of any waiting kernel (8 here) times the elements a
+# thread may hold of a 1-D tensor (4), so no warp's share is a replica of another's.
+TIMER_SPAN: tl.constexpr = tl.constexpr(1024)
+
+
+@triton.jit
+def gave_up_before(err_ptr):
+    """Whether this rank has already recorded a timeout, one answer for the whole program: a
+    scalar atomic is issued once and its result shared, where a plain load is made by every
+    thread and threads could see the record appear at different moments (and then wait with
+    different budgets)."""
+    return tl.atomic_add(err_ptr, 0, sem="relaxed") != 0
+
+
 @triton.jit
 def now_ns(USE_TIMER: tl.constexpr):
     """Global nanosecond timer on the GPU; a constant 0 where inline asm cannot run.
@@ -37,13 +51,17 @@ def now_ns(USE_TIMER: tl.constexpr):
     Every thread reads ``%globaltimer`` itself, and the reads differ: a wait loop whose exit
     depended on them would let threads of one program leave at different iterations and then
     disagree at the CTA barrier (undefined behaviour; seen as an illegal instruction on the
-    H200). So the reads are reduced to one value the whole program agrees on.
+    H200). So the reads are reduced to one value the whole program agrees on: over
+    ``TIMER_SPAN`` reads, more than the threads of any program that waits, so every warp holds
+    some and the reduction crosses warps through shared memory. Over 32 reads (until
+    2026-12-05) each warp of a 4- or 8-warp program reduced only its own copy (a ``redux.sync``,
+    no shared-memory step in the PTX), so warps could still leave a timed-out wait apart.
     """
     if USE_TIMER:
         t = tl.inline_asm_elementwise(
             "mov.u64 $0, %globaltimer;",
             "=l,l",
-            [tl.zeros([32], tl.int64)],
+            [tl.zeros([TIMER_SPAN], tl.int64)],
             dtype=tl.int64,
             is_pure=False,
             pack=1,
@@ -131,8 +149,7 @@ def wait_geq(flag_ptr, target, err_ptr, rank, stage, index, budget, USE_TIMER: t
     # Once this rank has recorded a timeout (any program, any stage of the op), later waits
     # look once and give up: a dead peer must cost one budget per op, not one per tile (at 20 s
     # a wait and tens of tiles a program, minutes with no message).
-    gave_up = tl.load(err_ptr, volatile=True) != 0
-    budget = tl.where(gave_up, 0, budget)
+    budget = tl.where(gave_up_before(err_ptr), 0, budget)
     seen = load_acquire(flag_ptr)
     start = now_ns(USE_TIMER)
     spent = start * 0

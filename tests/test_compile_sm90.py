@@ -471,3 +471,41 @@ def test_wgrad_kernel_compiles_for_sm90(tmp_path):
     # kernels/moe_wgrad.py as launched on the H200: fits in shared memory (the two-programs
     # candidate twice), no spills, TMA loads and stores, wgmma
     assert "compiled 2 wgrad" in _compile_in_subprocess(_WGRAD_SCRIPT, tmp_path)
+
+
+_WAIT_SCRIPT = textwrap.dedent(
+    """
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from moe_overlap.kernels import signals
+
+    fn = signals._wait_kernel
+    sig = dict(flag_ptr="*i32", target="i32", err_ptr="*i64", out_ptr="*i32", rank="i32",
+               stage="constexpr", index="i32", budget="i64", USE_TIMER="constexpr")
+    for warps in (4, 8):
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs={(5,): 1, (8,): True}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        # the timer tensor's layout: one CTA tile of it (size x threads x warps) must fit in
+        # the tensor, or warps hold replicas and reduce only their own reads
+        n = int(re.search(r"tensor<(\\d+)xi64, #blocked>", ttgir).group(1))
+        lay = re.search(r"#blocked = #ttg.blocked<\\{sizePerThread = \\[(\\d+)\\], "
+                        r"threadsPerWarp = \\[(\\d+)\\], warpsPerCTA = \\[(\\d+)\\]", ttgir)
+        size, threads, w = map(int, lay.groups())
+        assert w == warps and size * threads * w <= n, (warps, n, lay.group(0))
+        # the earlier timeout record is read once and shared, never by each thread
+        assert "ld.volatile" not in ptx
+        print("wait", warps, n, size, threads, w)
+    """
+)
+
+
+def test_timed_waits_leave_their_loop_together(tmp_path):
+    """A timed-out wait's exit must be one decision for the whole program: the loop body
+    holds CTA barriers (the acquire poll's broadcast), so a warp leaving an iteration early
+    pairs them with the wrong barriers (illegal instruction or a hang on the H200). Its
+    inputs are the global timer, reduced over every warp, and the error record, read once."""
+    out = _compile_in_subprocess(_WAIT_SCRIPT, tmp_path)
+    assert "wait 4" in out and "wait 8" in out, out
