@@ -429,6 +429,10 @@ def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
     assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", torch.zeros(2, 2 * F), None)
     assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, torch.zeros(4, 6))
     assert not fused._l0_ws_usable(a, w1[:, :, : H // 2], lay, world, "swiglu", None, None)
+    # F = 1: N and h's row stride would be 1, which Triton specializes into constants the
+    # Gluon kernel declares as tensors (it does not compile); F = 2 is fine
+    assert not fused._l0_ws_usable(a, w1[:, :2], lay, world, "swiglu", None, None)
+    assert fused._l0_ws_usable(a, w1[:, :4], lay, world, "swiglu", None, None)
     monkeypatch.setenv("MOE_OVERLAP_L0_WS", "0")
     assert not fused._l0_ws_usable(a, w1, lay, world, "swiglu", None, None)
     monkeypatch.undo()

@@ -1193,7 +1193,7 @@ def _ws_common_ok(a, w, layout: Layout, world: World) -> bool:
 def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) -> bool:
     """Whether layer 0's forward takes the warp-specialized Gluon kernel: SwiGLU, what
     :func:`_ws_common_ok` says, no bias, no trace (its tiles record no timeline), int32-safe
-    offsets. ``MOE_OVERLAP_L0_WS=0`` keeps the Triton kernel."""
+    offsets, F >= 2. ``MOE_OVERLAP_L0_WS=0`` keeps the Triton kernel."""
     if tuning.getenv("MOE_OVERLAP_L0_WS") == "0" or bias is not None or trace is not None:
         return False
     if act != "swiglu" or not _ws_common_ok(x, w1, layout, world) or w1.dim() != 3:
@@ -1202,7 +1202,9 @@ def _l0_ws_usable(x, w1, layout: Layout, world: World, act: str, bias, trace) ->
     F = w1.shape[1] // 2
     if tuple(w1.shape[1:]) != (2 * F, H) or R == 0 or R * max(2 * F, H) >= 2**31:
         return False
-    return True
+    # F = 1 makes the kernel's N and h's row stride 1, which Triton turns into constants where
+    # the kernel declares tensors: it would not compile.
+    return F >= 2
 
 
 def _dact_ws_usable(a_rows, w2, gu, layout: Layout, world: World, act: str) -> bool:
