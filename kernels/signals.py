@@ -29,7 +29,6 @@ import triton.language as tl
 
 from .launch import launch
 
-
 # Reads per now_ns call: >= 32 x the warps of any waiting kernel (8 here) times the elements a
 # thread may hold of a 1-D tensor (4), so no warp's share is a replica of another's.
 TIMER_SPAN: tl.constexpr = tl.constexpr(1024)

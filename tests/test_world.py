@@ -638,3 +638,28 @@ def test_dist_collectives_on_a_gloo_group():
             h.all_to_all([rows, rows])
     finally:
         dist.destroy_process_group()
+
+
+def test_no_error_copy_or_event_query_while_a_graph_is_captured(monkeypatch):
+    """Capturing a W > 1 op into a CUDA graph: begin_op's error poll must not query the event
+    (illegal during capture), and end_op must not record one into the graph (any later query
+    of it raises). Host logic only: a CUDA device is faked, capture reported on."""
+    from moe_overlap.world import base
+
+    world = local_world("cpu")
+    world.device = torch.device("cuda", 0)
+
+    class Boom:
+        def query(self):
+            raise AssertionError("event queried during capture")
+
+        def record(self):
+            raise AssertionError("event recorded during capture")
+
+    world._err_event, world._err_host = Boom(), torch.zeros(8, dtype=torch.int64)
+    monkeypatch.setattr(base, "_capturing", lambda: True)
+    world._poll_errors()
+    world.end_op()
+    monkeypatch.setattr(base, "_capturing", lambda: False)
+    with pytest.raises(AssertionError, match="queried"):
+        world._poll_errors()  # outside a capture the poll does look

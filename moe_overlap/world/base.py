@@ -23,6 +23,9 @@ Op protocol (every fused op, same on every backend):
 2. ``run_fused(launch)`` launches ``launch(role)``: ``ROLE_BOTH`` where ranks run concurrently,
    else ``ROLE_PRODUCER`` on every rank, a barrier, then ``ROLE_CONSUMER``.
 3. ``end_op()`` enqueues a non-blocking copy of the error record, read lazily by the next op.
+   While a CUDA graph is being captured it enqueues nothing (a captured copy would replay
+   unread, and an event recorded in a capture cannot be queried after it): a captured op's
+   timeouts are raised by ``check()``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ import torch
 
 from ..errors import ERR_WORDS, CommTimeoutError
 from .topology import TopologyMixin
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
 
 ROLE_BOTH, ROLE_PRODUCER, ROLE_CONSUMER = 0, 1, 2
 
@@ -403,6 +412,10 @@ class World(TopologyMixin):
             self.check()
             return
         if self.device.type == "cuda":
+            if _capturing():
+                # A captured copy and event record would replay blind, and any later query of
+                # an event recorded in a capture raises: graphs report through check() only.
+                return
             if self._err_host is None:
                 self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=True)
                 self._err_event = torch.cuda.Event()
@@ -414,6 +427,8 @@ class World(TopologyMixin):
         if self.device.type != "cuda":
             if int(self._err[0]) != 0:
                 self._raise()
+            return
+        if _capturing():  # querying an event is illegal while the stream is being captured
             return
         if self._err_event is not None and self._err_event.query():
             if int(self._err_host[0]) != 0:
