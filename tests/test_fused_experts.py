@@ -1328,6 +1328,28 @@ def test_ids_out_of_range_on_a_multi_rank_world(no_launch):
         spawn(2, fn, timeout=30)
 
 
+@pytest.mark.parametrize("what", ["H", "local experts", "max_tokens_per_rank", "dtype"])
+def test_ranks_that_disagree_raise_on_every_rank(what, no_launch):
+    """A rank whose rows are wider, or that owns more experts, would push rows past its peers'
+    buffers or route ids to the wrong ranks: every rank raises instead, before any launch."""
+
+    def fn(world):
+        r = world.rank
+        H = 16 + 8 * r if what == "H" else 16
+        El = 2 + r if what == "local experts" else 2
+        dt = torch.float16 if what == "dtype" and r else torch.float32
+        kw = dict(max_tokens_per_rank=8 + r) if what == "max_tokens_per_rank" else {}
+        x = torch.randn(4, H).to(dt)
+        ids = torch.tensor([[0, 1], [1, -1], [2, 0], [-1, 3]])
+        w1, w2 = torch.randn(El, 16, H).to(dt), torch.randn(El, H, 8).to(dt)
+        with pytest.raises(ValueError, match="ranks disagree") as ei:
+            mo.fused_experts(x, ids, torch.rand(4, 2), w1, w2, world, **kw)
+        return str(ei.value)
+
+    msgs = spawn(2, fn, timeout=30)
+    assert all("rank 0:" in m and "rank 1:" in m for m in msgs), msgs
+
+
 def test_num_experts_not_divisible_by_world_size(no_launch):
     def fn(world):
         fused.dispatch_layout(torch.zeros(3, 1, dtype=torch.long), 5, world)

@@ -318,6 +318,34 @@ def test_rows_not_divisible_by_world_size():
     assert spawn(2, fn) == [True, True]
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_ranks_with_different_sizes_raise_on_every_rank(op):
+    """Rank 0 with 5 rows and rank 1 with 6 used to return [10, N] and [12, N] (the gathered
+    rows written past each other's offsets) with no error. Now every rank raises before any
+    launch, and sizes that agree are asked about once."""
+    W = 2
+
+    def fn(world):
+        calls = []
+        gather = world.all_gather_ints
+        world.all_gather_ints = lambda v: calls.append(v) or gather(v)
+        rows = 2 * (5 + world.rank) if op == "rs" else 5 + world.rank
+        fn_ = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+        with pytest.raises(ValueError, match="ranks disagree") as ei:
+            fn_(torch.randn(rows, 8), torch.randn(6, 8), world)
+        assert "rank 0:" in str(ei.value) and "rank 1:" in str(ei.value)
+        # a K (rs) or N (ag) of each rank's own may differ: that is this rank's shard
+        own = dict(ag=(torch.randn(4, 8), torch.randn(3 + world.rank, 8)))
+        own["rs"] = (torch.randn(4, 8 + world.rank), torch.randn(6, 8 + world.rank))
+        n = len(calls)
+        for _ in range(3):
+            fn_(*own[op], world)
+        assert len(calls) == n + 1, "agreed sizes are asked about once"
+        return True
+
+    assert spawn(W, fn) == [True] * W
+
+
 @pytest.mark.parametrize(
     "op,x,w,b,err,match",
     [

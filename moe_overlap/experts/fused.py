@@ -1441,6 +1441,23 @@ class _FusedExpertsFn(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- public API
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def agree_sizes(world: World, x, El: int, K: int, max_tokens_per_rank) -> None:
+    """What every rank of an expert-parallel world must share (``World.agree``): the row
+    width and dtype its peers' rows arrive in, the experts a rank owns (the id -> rank map),
+    top-k and the static sizing the buffers are carved from."""
+    world.agree(
+        "fused_experts",
+        H=x.shape[1],
+        dtype=_DTYPE_CODE.get(x.dtype, -1),
+        local_experts=El,
+        top_k=K,
+        max_tokens_per_rank=int(max_tokens_per_rank or 0),
+    )
+
+
 def layer0(x, layout: Layout, w1, world: World, activation: str = "swiglu", b1=None, trace=None):
     """Layer 0 alone (benchmarks): dispatch + grouped GEMM + activation -> ``h [R, F]`` rows
     in this rank's receive order (padding rows inside an expert's tiles are zero). Remembers
@@ -1516,6 +1533,7 @@ def fused_experts(
             activation,
             int(max_tokens_per_rank or 0),
         )
+    agree_sizes(world, x, El, K, max_tokens_per_rank)
     pinned = tuning.pinned(world.device, x.dtype, H, F, E, K)
     layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank, pinned)
     if not torch.is_grad_enabled():

@@ -46,6 +46,8 @@ def fused_experts_op(
     activation: str,
     max_tokens_per_rank: int,
 ) -> torch.Tensor:
+    world = get_world(world_name)
+    fused.agree_sizes(world, x, w2.shape[0], topk_ids.shape[1], max_tokens_per_rank)
     world, layout = _layout(x, topk_ids, w2, world_name, max_tokens_per_rank)
     y, _ = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=False

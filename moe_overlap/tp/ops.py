@@ -21,6 +21,8 @@ every thread's backward nodes on one worker thread).
 
 Collective contract: every rank calls the same ops in the same order with the same shapes,
 dtypes and ``requires_grad`` pattern (the tiling, hence the flag layout, is derived from them).
+The public ops check it (``World.agree``: one host all-gather the first time each combination
+is seen, ValueError on every rank when they differ) rather than write past a peer's buffers.
 Row counts: ``matmul_reduce_scatter`` needs ``M % world_size == 0`` (ValueError otherwise; pad
 the rows yourself: padding silently would hand some rank rows nobody asked for).
 """
@@ -36,6 +38,7 @@ from ..kernels.matmul_rs import launch_matmul_rs, matmul_rs_config, matmul_rs_fl
 from ..world import WorkspacePlan, World, interpreted
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_DTYPE_CODE = {d: i for i, d in enumerate(_FLOATS)}
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -335,7 +338,11 @@ def all_gather_matmul(
     and raises :class:`~moe_overlap.CommTimeoutError` (stage 6) at the next check.
     """
     x_shard, weight, bias = _validate("all_gather_matmul", x_shard, weight, bias, world, "x_shard")
-    if _needs_grad(x_shard, weight, bias):
+    grad = _needs_grad(x_shard, weight, bias)
+    Ms, K = x_shard.shape
+    # N may differ per rank (each multiplies by its own weight shard); the gathered rows may not
+    world.agree("all_gather_matmul", rows=Ms, K=K, dtype=_DTYPE_CODE[x_shard.dtype], grad=grad)
+    if grad:
         return _AllGatherMatmul.apply(x_shard, weight, bias, world)
     return _ag_forward(x_shard, weight, world, bias)[0]
 
@@ -363,6 +370,10 @@ def matmul_reduce_scatter(
     """
     x, weight, bias = _validate("matmul_reduce_scatter", x, weight, bias, world, "x")
     _check_rows("matmul_reduce_scatter", x.shape[0], world, "x")
-    if _needs_grad(x, weight, bias):
+    grad = _needs_grad(x, weight, bias)
+    # K may differ per rank (an uneven row-parallel split); the reduced [M, N] block may not
+    M, N = x.shape[0], weight.shape[0]
+    world.agree("matmul_reduce_scatter", M=M, N=N, dtype=_DTYPE_CODE[x.dtype], grad=grad)
+    if grad:
         return _MatmulReduceScatter.apply(x, weight, bias, world)
     return _rs_forward(x, weight, world, bias)

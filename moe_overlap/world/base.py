@@ -188,6 +188,40 @@ class World(TopologyMixin):
         """Host-side all-gather of a short list of ints: result[r] is rank r's list."""
         raise NotImplementedError
 
+    def agree(self, op: str, **sizes: int) -> None:
+        """Raise ``ValueError`` on every rank unless every rank calls ``op`` with the same
+        ``sizes`` (ints). The fused kernels size their flags, tiles and peers' buffer offsets
+        from the caller's shapes, so ranks that disagree would write past each other's
+        buffers, silently. One ``all_gather_ints`` per new combination: the combinations a rank
+        has agreed on are remembered (every rank calls the same ops with the same sizes, so
+        their memories match and they ask together), and a training step whose shapes repeat
+        pays it once. Skipped at one rank, in a backward (its sizes come from an agreed
+        forward, and a backward must not block on peers' host progress) and in warm-up.
+        The first call of each combination is a host sync: warm up before capturing a graph.
+        """
+        from ..kernels.launch import warming_up
+
+        if self.world_size == 1 or self.in_backward or warming_up():
+            return
+        key = (op, tuple(sizes.items()))
+        seen = self.__dict__.setdefault("_agreed", set())
+        if key in seen:
+            return
+        mine = [int(v) for v in sizes.values()]
+        got = self.all_gather_ints(mine)
+        if any(list(v) != mine for v in got):
+            rows = "; ".join(
+                f"rank {r}: " + ", ".join(f"{k} {x}" for k, x in zip(sizes, v))
+                for r, v in enumerate(got)
+            )
+            raise ValueError(
+                f"rank {self.rank}: {op}: ranks disagree on {', '.join(sizes)} ({rows}); every "
+                f"rank must call it with the same sizes"
+            )
+        if len(seen) >= 1024:  # every rank clears at the same call: same history
+            seen.clear()
+        seen.add(key)
+
     def all_to_all(self, send: list) -> list:
         """Host-driven tensor all-to-all (baselines, not the fused path): ``send[d]`` goes to
         rank d; returns ``recv`` with ``recv[s]`` from rank s. Dim 0 may differ per pair; the
