@@ -1,10 +1,15 @@
 """HF transformers integration: tiny randomly initialised models (fp32) give the same logits,
 losses, router logits and gradients before and after their experts move to fused_experts.
 
-transformers 5.x (what CI installs) goes through the experts-implementation interface; the
-4.x block replacement is tested only when a 4.x is installed (the test says so when skipped)."""
+transformers 5.x goes through the experts-implementation interface, 4.x through the block
+replacement; each path's tests skip under the other major version. CI runs this file twice, with
+5.x and with 4.x (``ci-requirements-transformers4.txt``); ``MOE_OVERLAP_EXPECT_TRANSFORMERS``
+(a major version) turns a different installed one into a failure, so a pass that meant to test
+one path cannot quietly skip it."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -17,6 +22,12 @@ from moe_overlap.integrations import transformers as mot  # noqa: E402
 from moe_overlap.testing import assert_close  # noqa: E402
 
 V5 = mot.HAS_EXPERTS_INTERFACE
+_EXPECT = os.environ.get("MOE_OVERLAP_EXPECT_TRANSFORMERS")
+if _EXPECT and transformers.__version__.split(".")[0] != _EXPECT:
+    raise RuntimeError(
+        f"MOE_OVERLAP_EXPECT_TRANSFORMERS={_EXPECT} but transformers {transformers.__version__} "
+        f"is the one imported (from {transformers.__file__})"
+    )
 needs_v5 = pytest.mark.skipif(not V5, reason=f"transformers {transformers.__version__} < 5")
 needs_v4 = pytest.mark.skipif(
     V5, reason=f"4.x path; transformers {transformers.__version__} is installed"
