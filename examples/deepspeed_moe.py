@@ -7,8 +7,8 @@ train a few steps under ``deepspeed.initialize``.
     # GPU, expert parallel over 2 GPUs (ep_size=2):
     deepspeed --num_gpus 2 examples/deepspeed_moe.py --ep-size 2 --hidden 1024 --ffn 2048
 
-Install: pip install 'moe-overlap[deepspeed]' (on a machine without CUDA prefix it with
-DS_BUILD_OPS=0 DS_ACCELERATOR=cpu).
+Install, from the repository root: pip install -e '.[deepspeed]' (on a machine without CUDA
+prefix it with DS_BUILD_OPS=0 DS_ACCELERATOR=cpu).
 """
 
 from __future__ import annotations

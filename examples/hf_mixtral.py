@@ -8,8 +8,8 @@ steps with HF's own loss (cross-entropy + router load-balancing loss).
 With transformers 5.x the experts run through the "moe_overlap" experts implementation (the
 library's own extension point); a checkpoint loads straight onto it with
 ``register(); MixtralForCausalLM.from_pretrained(path, experts_implementation="moe_overlap")``.
-With transformers 4.x the sparse MoE blocks are switched instead. Install:
-pip install 'moe-overlap[transformers]'.
+With transformers 4.x the sparse MoE blocks are switched instead. Install, from the repository
+root: pip install -e '.[transformers]'.
 """
 
 from __future__ import annotations

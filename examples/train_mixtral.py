@@ -1,13 +1,14 @@
 """Train a small Mixtral-style MoE decoder with expert parallelism (the README's main job).
 
     python examples/train_mixtral.py                 # CPU: 4 emulated EP ranks, 20 steps
-    python examples/train_mixtral.py --steps 200     # a longer run: the copy loss falls far
+    python examples/train_mixtral.py --steps 200     # a longer run: the sort loss falls far
     python examples/train_mixtral.py --resume --steps 40
     python examples/train_mixtral.py --data notes.txt --seq-len 64
     torchrun --nproc-per-node 4 examples/train_mixtral.py   # one EP rank per GPU
 
-Writes OUT/loss.png (matplotlib) or OUT/losses.csv, and OUT/checkpoint.pt (default OUT:
-runs/mixtral). ``--help`` lists every flag; the recipe itself is ``moe_overlap.recipe``.
+Writes OUT/losses.csv, OUT/loss.png (where matplotlib is installed) and OUT/checkpoint.pt
+(default OUT: runs/mixtral). ``--help`` lists every flag; the recipe itself is
+``moe_overlap.recipe``.
 """
 
 import os

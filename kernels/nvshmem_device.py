@@ -401,8 +401,8 @@ _NAMES: dict[int, str] = {}
 
 def _install_hint() -> str:
     return (
-        "install nvshmem4py for your CUDA major version: pip install 'moe-overlap[nvshmem-cu13]' "
-        "(or 'moe-overlap[nvshmem-cu12]' for CUDA 12); it brings the nvidia-nvshmem wheel with "
+        "install nvshmem4py for your CUDA major version: pip install nvshmem4py-cu13 "
+        "(or nvshmem4py-cu12 for CUDA 12); it brings the nvidia-nvshmem wheel with "
         "libnvshmem_device.bc"
     )
 

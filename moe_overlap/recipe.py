@@ -98,11 +98,11 @@ other jobs: 4.5 min wall (2.9 min of CPU time); one H200, bf16, W = 1: 3 s of tr
 the interpreter too (defaults at W = 2: about 14 s a step with ``--tp``, 9 s without, the same
 losses to the printed 6 decimals; the tests' tiny model, 5 steps: 22 s vs 8 s).
 
-Traps. On the GPU, fp32 needs smaller fused-kernel blocks than the bf16 defaults (their
-pipelined fp32 tiles overflow shared memory): pin ``MOE_OVERLAP_L0_CONFIG=128,128,32,8,3``
-and ``MOE_OVERLAP_L1_CONFIG=128,256,32,8,3``. Emulated W > 1 on one GPU is verified in bf16
-only; in fp32 the experts' weight-gradient fallback syncs the host inside backward, where
-autograd's single CUDA worker thread serves every rank.
+Traps. On the GPU, fp32 takes smaller fused-kernel blocks than bf16 (BK 32: the bf16 blocks'
+pipelined fp32 tiles overflow shared memory); the defaults already do, and pinning
+``MOE_OVERLAP_L0_CONFIG`` would also replace the backward dispatch GEMM's own default. Emulated
+W > 1 on one GPU is verified in bf16 only; in fp32 the experts' weight-gradient fallback syncs
+the host inside backward, where autograd's single CUDA worker thread serves every rank.
 
 Checkpoint (``OUT/checkpoint.pt``): format version, step, world size, both configs, the data
 generator's state, the loss history, and per rank its fp32 master weights (expert shards

@@ -37,7 +37,7 @@ def test_missing_backend_error_names_the_install_command():
         nvw.import_nvshmem()
     msg = str(ei.value)
     assert isinstance(ei.value, ImportError)
-    assert "pip install 'moe-overlap[nvshmem-cu1" in msg
+    assert "pip install nvshmem4py-cu1" in msg
     assert "nvshmem4py" in msg
 
 
@@ -50,7 +50,7 @@ def test_backend_unavailable_before_any_distributed_setup(call):
         "make_nvshmem_world": lambda: nvw.make_nvshmem_world(),
         "NvshmemWorld": lambda: nvw.NvshmemWorld(),
     }[call]
-    with pytest.raises(MissingBackendError, match=r"pip install 'moe-overlap\[nvshmem-cu1[23]\]'"):
+    with pytest.raises(MissingBackendError, match=r"pip install nvshmem4py-cu1[23]"):
         fn()
 
 
@@ -58,9 +58,9 @@ def test_backend_unavailable_before_any_distributed_setup(call):
 def test_install_hint_follows_torch_cuda(monkeypatch, cuda, first):
     monkeypatch.setattr(torch.version, "cuda", cuda)
     hint = nvw.install_hint()
-    assert hint.startswith(f"pip install 'moe-overlap[nvshmem-{first}]'")
+    assert hint.startswith(f"pip install nvshmem4py-{first}")
     other = "cu13" if first == "cu12" else "cu12"
-    assert f"nvshmem-{other}" in hint
+    assert f"nvshmem4py-{other}" in hint
 
 
 def test_broken_install_is_missing_backend(monkeypatch):
@@ -202,7 +202,7 @@ def test_library_missing_says_how_to_install(fresh_nvd, monkeypatch, tmp_path):
     with pytest.raises(FileNotFoundError) as ei:
         nvd.device_library_path()
     msg = str(ei.value)
-    assert "libnvshmem_device.bc" in msg and "pip install 'moe-overlap[nvshmem-cu13]'" in msg
+    assert "libnvshmem_device.bc" in msg and "pip install nvshmem4py-cu13" in msg
     assert "NVSHMEM_LIB_DIR" in msg
 
 

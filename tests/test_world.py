@@ -456,7 +456,7 @@ def test_init_world_nvshmem_missing_names_the_install_command(monkeypatch):
     with pytest.raises(MissingBackendError) as ei:
         init_world("nvshmem")
     assert isinstance(ei.value, ImportError)
-    assert "pip install 'moe-overlap[nvshmem-cu13]'" in str(ei.value)
+    assert "pip install nvshmem4py-cu13" in str(ei.value)
 
 
 def test_init_world_refuses_silent_single_rank(monkeypatch):

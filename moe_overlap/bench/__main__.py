@@ -16,7 +16,7 @@ Examples::
     moe-overlap-bench layer0 --preset mixtral-8x7b --json out.json --png out.png
     moe-overlap-bench moe --preset qwen3-30b-a3b --backward --md BENCHMARKS.md
     moe-overlap-bench layer0 --preset tiny          # CPU smoke test (numbers mean nothing)
-    moe-overlap-bench moe --preset olmoe --world-size 4 --trace trace.json  # 4 emulated ranks
+    moe-overlap-bench layer0 --preset olmoe --world-size 4 --trace trace.json  # 4 emulated ranks
     torchrun --nproc-per-node 8 -m moe_overlap.bench ag-matmul --preset gpt3-175b
 
 Without CUDA the command re-executes itself with ``TRITON_INTERPRET=1`` (the fused kernels

@@ -1010,7 +1010,7 @@ def _moe_deepspeed(p: MoEProblem, world) -> Case:
     s = p.shape
     # Cheap refusals first: importing deepspeed takes seconds and logs.
     if importlib.util.find_spec("deepspeed") is None:
-        raise Unavailable("deepspeed is not installed (pip install 'moe-overlap[deepspeed]')")
+        raise Unavailable("deepspeed is not installed (pip install 'deepspeed>=0.16')")
     if s.activation != "swiglu" or s.score_func != "softmax" or s.topk != 2:
         # DeepSpeed renormalizes the two weights of top-2 only (top-1 keeps the raw softmax).
         raise Unavailable("the deepspeed baseline covers softmax top-2 SwiGLU experts")

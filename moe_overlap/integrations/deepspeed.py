@@ -67,7 +67,7 @@ try:
     from deepspeed.moe.layer import MoE as _DeepSpeedMoE
 except ImportError as e:  # pragma: no cover - exercised only without DeepSpeed
     raise ImportError(
-        "moe_overlap.integrations.deepspeed needs DeepSpeed: pip install 'moe-overlap[deepspeed]' "
+        "moe_overlap.integrations.deepspeed needs DeepSpeed: pip install 'deepspeed>=0.16' "
         "(on a machine without CUDA: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu pip install ...)"
     ) from e
 

@@ -48,8 +48,7 @@ try:
     import transformers as _hf
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError(
-        "moe_overlap.integrations.transformers needs transformers: "
-        "pip install 'moe-overlap[transformers]'"
+        "moe_overlap.integrations.transformers needs transformers: pip install 'transformers>=4.46'"
     ) from e
 
 from . import activation_name, check_swappable, fused_experts, local_world_for, swap_class

@@ -10,9 +10,10 @@ NVSHMEM backend of SymmetricMemory (``TORCH_SYMMMEM=NVSHMEM`` or
 nvshmem4py's runtime and refuses to start when PyTorch's is, or will be, active.** Why:
 
 * nvshmem4py is NVIDIA's public, versioned binding and the one our extras install
-  (``moe-overlap[nvshmem-cu12|cu13]``). It lets us bootstrap from our own torch.distributed group
-  (unique id broadcast), query ``nvshmem_ptr`` per peer (NVLink-reachable or not), barrier on a
-  stream, initialize Triton modules (``cumodule_init``) and finalize.
+  (``nvshmem4py-cu12`` / ``-cu13``, the extras ``nvshmem-cu12|cu13``). It lets us bootstrap
+  from our own torch.distributed group (unique id broadcast), query ``nvshmem_ptr`` per peer
+  (NVLink-reachable or not), barrier on a stream, initialize Triton modules (``cumodule_init``)
+  and finalize.
 * PyTorch's backend lives in a private module, starts implicitly at the first symmetric
   allocation, is fixed process-wide from then on, has no finalize, does not say how it maps peers
   on other nodes in ``buffer_ptrs``, and is missing from many torch builds
@@ -106,12 +107,14 @@ def install_hint() -> str:
     """The pip command for this torch's CUDA major version."""
     cuda = getattr(torch.version, "cuda", None) or ""
     major = cuda.split(".")[0]
+    # The packages themselves (what the extras nvshmem-cu12 / -cu13 pull in): moe-overlap is
+    # installed from a checkout, where `pip install -e '.[nvshmem-cu13]'` does the same.
     if major == "12":
         return (
-            "pip install 'moe-overlap[nvshmem-cu12]' (torch here is built for CUDA 12; "
-            "use [nvshmem-cu13] for CUDA 13)"
+            "pip install nvshmem4py-cu12 (torch here is built for CUDA 12; "
+            "nvshmem4py-cu13 for CUDA 13)"
         )
-    return "pip install 'moe-overlap[nvshmem-cu13]' (or 'moe-overlap[nvshmem-cu12]' for CUDA 12)"
+    return "pip install nvshmem4py-cu13 (or nvshmem4py-cu12 for CUDA 12)"
 
 
 def import_nvshmem():

@@ -1,7 +1,7 @@
 """The nvshmem world on one CUDA GPU: one process, one PE (compiled Triton, nvshmem4py).
 
 Run with ``MOE_OVERLAP_COMPILED=1 python -m pytest -m "gpu or multigpu" tests`` on a machine with
-nvshmem4py installed (``pip install 'moe-overlap[nvshmem-cu13]'``); skipped, with that command as
+nvshmem4py installed (``pip install nvshmem4py-cu13``); skipped, with that command as
 the reason, where it is not.
 
 One world for the whole module (one NVSHMEM runtime per process; re-initializing after finalize
