@@ -1507,7 +1507,8 @@ def fused_experts(
       world: the expert-parallel world (default: ``moe_overlap.init_world()``).
       activation: ``"swiglu"``, ``"gelu"`` (exact erf), ``"relu"`` or ``"silu"``.
       b1: ``[El, 2F or F]`` or None; b2: ``[El, H]`` or None.
-      max_tokens_per_rank: static worst-case sizing (no host sync; CUDA-graph capturable).
+      max_tokens_per_rank: static worst-case sizing (no host sync after the first call of a
+        shape, where ranks agree on their sizes; CUDA-graph capturable).
     Differentiable in x, topk_weights, w1, w2, b1, b2.
     """
     from ..world import default_world
