@@ -32,7 +32,13 @@ class TorchSymmWorld(DistCollectives, World):
         device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(rank, world_size, device, seed=seed)
         self.max_programs = torch.cuda.get_device_properties(device).multi_processor_count
-        self._keep = []  # symmetric allocations stay alive for the world's lifetime
+        # Symmetric allocations stay alive for the world's lifetime, outgrown ones too: PyTorch
+        # caches a rendezvous by the buffer's address, and before its tensor-aware rendezvous
+        # (pytorch/pytorch#188650, after the 2.11 the H200 runs) a new buffer at a freed one's
+        # address could get the old handle's peer pointers back. The cost: workspaces grow in
+        # 1.5x steps, so the outgrown ones add up to about twice the final size at most;
+        # MoEConfig(max_tokens_per_rank=...) sizes the workspace once and never grows it.
+        self._keep = []
         from torch.distributed import _symmetric_memory as symm
 
         self._symm = symm
