@@ -37,7 +37,8 @@ class TorchSymmWorld(DistCollectives, World):
         # (pytorch/pytorch#188650, after the 2.11 the H200 runs) a new buffer at a freed one's
         # address could get the old handle's peer pointers back. The cost: workspaces grow in
         # 1.5x steps, so the outgrown ones add up to about twice the final size at most;
-        # MoEConfig(max_tokens_per_rank=...) sizes the workspace once and never grows it.
+        # with MoEConfig(max_tokens_per_rank=...) the MoE ops ask for their worst case at the
+        # first call instead of growing it as routing varies.
         self._keep = []
         from torch.distributed import _symmetric_memory as symm
 
