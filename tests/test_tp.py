@@ -321,29 +321,56 @@ def test_rows_not_divisible_by_world_size():
 @pytest.mark.parametrize("op", ["ag", "rs"])
 def test_ranks_with_different_sizes_raise_on_every_rank(op):
     """Rank 0 with 5 rows and rank 1 with 6 used to return [10, N] and [12, N] (the gathered
-    rows written past each other's offsets) with no error. Now every rank raises before any
-    launch, and sizes that agree are asked about once."""
+    rows written past each other's offsets) with no error. Every rank raises before any
+    launch, also after calls whose sizes agreed (every call exchanges its sizes)."""
     W = 2
+    fn_ = all_gather_matmul if op == "ag" else matmul_reduce_scatter
 
     def fn(world):
-        calls = []
-        gather = world.all_gather_ints
-        world.all_gather_ints = lambda v: calls.append(v) or gather(v)
-        rows = 2 * (5 + world.rank) if op == "rs" else 5 + world.rank
-        fn_ = all_gather_matmul if op == "ag" else matmul_reduce_scatter
-        with pytest.raises(ValueError, match="ranks disagree") as ei:
-            fn_(torch.randn(rows, 8), torch.randn(6, 8), world)
-        assert "rank 0:" in str(ei.value) and "rank 1:" in str(ei.value)
         # a K (rs) or N (ag) of each rank's own may differ: that is this rank's shard
         own = dict(ag=(torch.randn(4, 8), torch.randn(3 + world.rank, 8)))
         own["rs"] = (torch.randn(4, 8 + world.rank), torch.randn(6, 8 + world.rank))
-        n = len(calls)
-        for _ in range(3):
+        for _ in range(2):
             fn_(*own[op], world)
-        assert len(calls) == n + 1, "agreed sizes are asked about once"
+        rows = 2 * (5 + world.rank) if op == "rs" else 5 + world.rank
+        with pytest.raises(ValueError, match="disagree on (rows|M)") as ei:
+            fn_(torch.randn(rows, 8), torch.randn(6, 8), world)
+        msg = str(ei.value)
+        assert "rank 0:" in msg and "rank 1:" in msg and "dtype" not in msg, msg
+        with pytest.raises(ValueError, match="disagree on dtype") as ei:
+            x = torch.randn(4, 8).to(torch.float16 if world.rank else torch.float32)
+            fn_(x, torch.randn(6, 8).to(x.dtype), world)
+        assert "float16" in str(ei.value) and "float32" in str(ei.value)
         return True
 
     assert spawn(W, fn) == [True] * W
+
+
+def test_ranks_in_different_ops_raise_on_every_rank():
+    """The op's name travels with the sizes: ranks that call different ops at the same point
+    fail together instead of pairing one op's exchange with the other's."""
+
+    def fn(world):
+        x, w = torch.randn(4, 8), torch.randn(6, 8)
+        with pytest.raises(ValueError, match="not all in this op"):
+            (all_gather_matmul if world.rank == 0 else matmul_reduce_scatter)(x, w, world)
+        return True
+
+    assert spawn(2, fn) == [True, True]
+
+
+def test_real_worlds_check_sizes_only_when_asked(monkeypatch):
+    """Each check is a host all-gather and sync: real (multi-process) worlds skip it unless
+    MOE_OVERLAP_CHECK_SIZES=1 or MOE_OVERLAP_DEBUG=1; emulated worlds always check."""
+    from moe_overlap.world.base import World
+
+    world = local_world("cpu")
+    assert world.checks_sizes
+    monkeypatch.setenv("MOE_OVERLAP_CHECK_SIZES", "0")
+    assert not world.checks_sizes
+    assert World.checks_sizes.fget(world) is False  # the real worlds' rule, debug off
+    monkeypatch.setenv("MOE_OVERLAP_CHECK_SIZES", "1")
+    assert World.checks_sizes.fget(world) is True
 
 
 @pytest.mark.parametrize(

@@ -423,6 +423,14 @@ def _sync(device):
         torch.cuda.current_stream(device).synchronize()
 
 
+def _check(world) -> None:
+    """Raise a timed-out wait of the calls just made here, not at the next case's first op
+    (fused ops raise lazily): the case whose kernels gave up is the one dropped."""
+    check = getattr(world, "check", None)
+    if check is not None:
+        check()
+
+
 def _counts(warm, rep, est_ms) -> tuple[int, int]:
     def n_of(spec, lo, hi):
         kind, v = spec
@@ -520,6 +528,7 @@ def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[d
                     c.step(calls[c.name])
                     calls[c.name] += 1
                 _sync(device)
+                _check(world)
             except Exception as e:  # noqa: BLE001
                 err = f"{type(e).__name__}: {e}"
             # Agreeing doubles as the barrier that starts every rank's timed calls together.
@@ -528,6 +537,7 @@ def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[d
                 try:
                     t = _timed_calls(c.step, device, calls[c.name], n_rep)
                     calls[c.name] += n_rep
+                    _check(world)
                 except Exception as e:  # noqa: BLE001
                     err = f"{type(e).__name__}: {e}"
                 err, _ = _agree(world, err)
@@ -643,9 +653,9 @@ def run_rank(world, spec: RunSpec) -> dict:
     cases: list[Case] = []
     status: dict = {}
     for name, role, build in builders:
+        c = None
         try:
             c = build()
-            cases.append(c)
         except Unavailable as e:
             status[name] = {"role": role, "status": "unavailable", "reason": str(e)}
         except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
@@ -654,6 +664,13 @@ def run_rank(world, spec: RunSpec) -> dict:
                 "status": "failed",
                 "reason": f"setup: {type(e).__name__}: {e}",
             }
+        # Built on every rank or dropped on every rank: the first calls below meet at one
+        # barrier per case, which a rank without the case would skip.
+        err, _ = _agree(world, None if c is not None else "not built")
+        if c is not None and err is None:
+            cases.append(c)
+        elif c is not None:
+            status[name] = {"role": role, "status": "failed", "reason": f"setup: {err}"}
     # First call of each case: compile, warm, capture the canonical output of set 0.
     outputs = {}
     for c in cases:

@@ -1441,17 +1441,14 @@ class _FusedExpertsFn(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- public API
-_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-
-
 def agree_sizes(world: World, x, El: int, K: int, max_tokens_per_rank) -> None:
-    """What every rank of an expert-parallel world must share (``World.agree``): the row
-    width and dtype its peers' rows arrive in, the experts a rank owns (the id -> rank map),
-    top-k and the static sizing the buffers are carved from."""
+    """What every rank of an expert-parallel world must share (``World.agree``, where the
+    world checks): the row width and dtype its peers' rows arrive in, the experts a rank owns
+    (the id -> rank map), top-k and the static sizing the buffers are carved from."""
     world.agree(
         "fused_experts",
         H=x.shape[1],
-        dtype=_DTYPE_CODE.get(x.dtype, -1),
+        dtype=x.dtype,
         local_experts=El,
         top_k=K,
         max_tokens_per_rank=int(max_tokens_per_rank or 0),
@@ -1507,8 +1504,7 @@ def fused_experts(
       world: the expert-parallel world (default: ``moe_overlap.init_world()``).
       activation: ``"swiglu"``, ``"gelu"`` (exact erf), ``"relu"`` or ``"silu"``.
       b1: ``[El, 2F or F]`` or None; b2: ``[El, H]`` or None.
-      max_tokens_per_rank: static worst-case sizing (no host sync after the first call of a
-        shape, where ranks agree on their sizes; CUDA-graph capturable).
+      max_tokens_per_rank: static worst-case sizing (no host sync; CUDA-graph capturable).
     Differentiable in x, topk_weights, w1, w2, b1, b2.
     """
     from ..world import default_world

@@ -21,8 +21,9 @@ every thread's backward nodes on one worker thread).
 
 Collective contract: every rank calls the same ops in the same order with the same shapes,
 dtypes and ``requires_grad`` pattern (the tiling, hence the flag layout, is derived from them).
-The public ops check it (``World.agree``: one host all-gather the first time each combination
-is seen, ValueError on every rank when they differ) rather than write past a peer's buffers.
+The public ops check it where the world says to (``World.agree``: always in emulated worlds,
+with ``MOE_OVERLAP_CHECK_SIZES=1`` or ``MOE_OVERLAP_DEBUG=1`` on real ones, a host all-gather
+per op): ValueError on every rank rather than writes past a peer's buffers.
 Row counts: ``matmul_reduce_scatter`` needs ``M % world_size == 0`` (ValueError otherwise; pad
 the rows yourself: padding silently would hand some rank rows nobody asked for).
 """
@@ -38,7 +39,6 @@ from ..kernels.matmul_rs import launch_matmul_rs, matmul_rs_config, matmul_rs_fl
 from ..world import WorkspacePlan, World, interpreted
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_DTYPE_CODE = {d: i for i, d in enumerate(_FLOATS)}
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
 
@@ -341,7 +341,7 @@ def all_gather_matmul(
     grad = _needs_grad(x_shard, weight, bias)
     Ms, K = x_shard.shape
     # N may differ per rank (each multiplies by its own weight shard); the gathered rows may not
-    world.agree("all_gather_matmul", rows=Ms, K=K, dtype=_DTYPE_CODE[x_shard.dtype], grad=grad)
+    world.agree("all_gather_matmul", rows=Ms, K=K, dtype=x_shard.dtype, grad=grad)
     if grad:
         return _AllGatherMatmul.apply(x_shard, weight, bias, world)
     return _ag_forward(x_shard, weight, world, bias)[0]
@@ -373,7 +373,7 @@ def matmul_reduce_scatter(
     grad = _needs_grad(x, weight, bias)
     # K may differ per rank (an uneven row-parallel split); the reduced [M, N] block may not
     M, N = x.shape[0], weight.shape[0]
-    world.agree("matmul_reduce_scatter", M=M, N=N, dtype=_DTYPE_CODE[x.dtype], grad=grad)
+    world.agree("matmul_reduce_scatter", M=M, N=N, dtype=x.dtype, grad=grad)
     if grad:
         return _MatmulReduceScatter.apply(x, weight, bias, world)
     return _rs_forward(x, weight, world, bias)

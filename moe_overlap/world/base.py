@@ -34,12 +34,28 @@ import contextlib
 import math
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import ERR_WORDS, CommTimeoutError
 from .topology import TopologyMixin
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _size_code(v) -> int:
+    if isinstance(v, torch.dtype):
+        return -1 - (_DTYPES.index(v) if v in _DTYPES else len(_DTYPES))
+    return int(v)
+
+
+def _size_name(code: int, like) -> str:
+    if isinstance(like, torch.dtype):
+        i = -1 - code
+        return str(_DTYPES[i]).replace("torch.", "") if 0 <= i < len(_DTYPES) else "other"
+    return str(bool(code)) if isinstance(like, bool) else str(code)
 
 
 def _capturing() -> bool:
@@ -188,39 +204,52 @@ class World(TopologyMixin):
         """Host-side all-gather of a short list of ints: result[r] is rank r's list."""
         raise NotImplementedError
 
-    def agree(self, op: str, **sizes: int) -> None:
+    @property
+    def checks_sizes(self) -> bool:
+        """Whether :meth:`agree` exchanges sizes: with ``MOE_OVERLAP_DEBUG=1`` or
+        ``MOE_OVERLAP_CHECK_SIZES=1`` (a host all-gather and sync per op; off by default, where
+        the kernels trust the collective contract as NCCL does). Emulated worlds always check:
+        their exchange is a host handshake between threads, with no device sync."""
+        return self.debug or os.environ.get("MOE_OVERLAP_CHECK_SIZES", "0") == "1"
+
+    def _exchange_sizes(self, values: list[int]) -> list[list[int]]:
+        return self.all_gather_ints(values)
+
+    def agree(self, op: str, **sizes) -> None:
         """Raise ``ValueError`` on every rank unless every rank calls ``op`` with the same
-        ``sizes`` (ints). The fused kernels size their flags, tiles and peers' buffer offsets
-        from the caller's shapes, so ranks that disagree would write past each other's
-        buffers, silently. One ``all_gather_ints`` per new combination: the combinations a rank
-        has agreed on are remembered (every rank calls the same ops with the same sizes, so
-        their memories match and they ask together), and a training step whose shapes repeat
-        pays it once. Skipped at one rank, in a backward (its sizes come from an agreed
-        forward, and a backward must not block on peers' host progress) and in warm-up.
-        The first call of each combination is a host sync: warm up before capturing a graph.
-        """
+        ``sizes`` (ints, bools or dtypes), where :attr:`checks_sizes` says to look.
+
+        The fused kernels size their flags, tiles and peers' buffer offsets from the caller's
+        shapes, so ranks that disagree would write past each other's buffers, silently. Every
+        call exchanges (never "only sizes not seen before": that decision would be each rank's
+        own, and a rank with new sizes would then wait in an exchange its peers skip). The op's
+        name travels along, so ranks in different ops fail too rather than pair up. Skipped at
+        one rank, in a backward (its sizes come from the forward, and a backward must not block
+        on peers' host progress) and in warm-up."""
         from ..kernels.launch import warming_up
 
-        if self.world_size == 1 or self.in_backward or warming_up():
+        if self.world_size == 1 or self.in_backward or warming_up() or not self.checks_sizes:
             return
-        key = (op, tuple(sizes.items()))
-        seen = self.__dict__.setdefault("_agreed", set())
-        if key in seen:
+        names = list(sizes)
+        mine = [zlib.crc32(op.encode()) & 0x7FFFFFFF] + [_size_code(v) for v in sizes.values()]
+        got = self._exchange_sizes(mine)
+        if all(list(v) == mine for v in got):
             return
-        mine = [int(v) for v in sizes.values()]
-        got = self.all_gather_ints(mine)
-        if any(list(v) != mine for v in got):
-            rows = "; ".join(
-                f"rank {r}: " + ", ".join(f"{k} {x}" for k, x in zip(sizes, v))
-                for r, v in enumerate(got)
-            )
+        if any(len(v) != len(mine) or v[0] != mine[0] for v in got):
             raise ValueError(
-                f"rank {self.rank}: {op}: ranks disagree on {', '.join(sizes)} ({rows}); every "
-                f"rank must call it with the same sizes"
+                f"rank {self.rank}: {op}: the ranks are not all in this op (collective calls "
+                f"out of order, or a rank skipped one)"
             )
-        if len(seen) >= 1024:  # every rank clears at the same call: same history
-            seen.clear()
-        seen.add(key)
+        differ = [i for i, k in enumerate(names) if len({v[1 + i] for v in got}) > 1]
+        rows = "; ".join(
+            f"rank {r}: "
+            + ", ".join(f"{names[i]} {_size_name(v[1 + i], sizes[names[i]])}" for i in differ)
+            for r, v in enumerate(got)
+        )
+        raise ValueError(
+            f"rank {self.rank}: {op}: the ranks disagree on {', '.join(names[i] for i in differ)} "
+            f"({rows}); every rank must call it with the same sizes"
+        )
 
     def all_to_all(self, send: list) -> list:
         """Host-driven tensor all-to-all (baselines, not the fused path): ``send[d]`` goes to
@@ -441,15 +470,16 @@ class World(TopologyMixin):
 
         if warming_up():
             return
+        if self.device.type == "cuda" and _capturing():
+            # A captured copy and event record would replay blind, any later query of an event
+            # recorded in a capture raises, and a sync (debug mode) is illegal there: graphs
+            # report through check() only.
+            return
         if self.debug or self.device.type != "cuda":
             # On the CPU everything already ran: checking costs nothing.
             self.check()
             return
         if self.device.type == "cuda":
-            if _capturing():
-                # A captured copy and event record would replay blind, and any later query of
-                # an event recorded in a capture raises: graphs report through check() only.
-                return
             if self._err_host is None:
                 self._err_host = torch.zeros(ERR_WORDS, dtype=torch.int64, pin_memory=True)
                 self._err_event = torch.cuda.Event()

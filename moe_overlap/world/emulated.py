@@ -175,6 +175,19 @@ class EmulatedWorld(World):
         tensor.copy_(total)
         return tensor
 
+    @property
+    def checks_sizes(self) -> bool:
+        return os.environ.get("MOE_OVERLAP_CHECK_SIZES", "1") != "0"
+
+    def _exchange_sizes(self, values: list[int]) -> list[list[int]]:
+        # Host values only: no device sync, so a GPU run's overlap is left as it is.
+        g = self._group
+        g.slots[self.rank] = list(values)
+        g.barrier.wait()
+        out = [list(v) for v in g.slots]
+        g.barrier.wait()
+        return out
+
     def all_gather_ints(self, values) -> list[list[int]]:
         vals = [int(v) for v in values]
         return [list(v) for v in self._exchange(vals)]
