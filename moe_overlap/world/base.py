@@ -43,6 +43,7 @@ from ..errors import ERR_WORDS, CommTimeoutError
 from .topology import TopologyMixin
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_SIZE_WORDS = 8  # World.agree's exchange: the op's tag and up to 7 sizes
 
 
 def _size_code(v) -> int:
@@ -231,11 +232,16 @@ class World(TopologyMixin):
         if self.world_size == 1 or self.in_backward or warming_up() or not self.checks_sizes:
             return
         names = list(sizes)
+        if len(names) >= _SIZE_WORDS:
+            raise ValueError(f"agree takes at most {_SIZE_WORDS - 1} sizes, got {len(names)}")
+        # One length for every op, so ranks in different ops still exchange alike (an NCCL
+        # all-gather of different lengths would not return).
         mine = [zlib.crc32(op.encode()) & 0x7FFFFFFF] + [_size_code(v) for v in sizes.values()]
+        mine += [0] * (_SIZE_WORDS - len(mine))
         got = self._exchange_sizes(mine)
         if all(list(v) == mine for v in got):
             return
-        if any(len(v) != len(mine) or v[0] != mine[0] for v in got):
+        if any(v[0] != mine[0] for v in got):
             raise ValueError(
                 f"rank {self.rank}: {op}: the ranks are not all in this op (collective calls "
                 f"out of order, or a rank skipped one)"
