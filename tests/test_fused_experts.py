@@ -1350,6 +1350,31 @@ def test_ranks_that_disagree_raise_on_every_rank(what, no_launch):
     assert all("rank 0:" in m and "rank 1:" in m for m in msgs), msgs
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+def test_sizes_travel_with_the_count_exchange(static, monkeypatch):
+    """Real worlds skip World.agree by default (a host all-gather per op); the sizes ride on
+    the count exchange instead, which every rank reads (exact sizing: ValueError on every
+    rank) or asserts on the device (static sizing). Shown on an emulated world with its own
+    check switched off."""
+    monkeypatch.setenv("MOE_OVERLAP_CHECK_SIZES", "0")
+
+    def fn(world):
+        assert not world.checks_sizes
+        H = 16 + 8 * world.rank
+        x = torch.randn(4, H)
+        ids = torch.tensor([[0, 1], [1, -1], [2, 0], [-1, 3]])
+        w1, w2 = torch.randn(2, 16, H), torch.randn(2, H, 8)
+        kw = dict(max_tokens_per_rank=4) if static else {}
+        err = RuntimeError if static else ValueError
+        with pytest.raises(err, match="disagree on") as ei:
+            mo.fused_experts(x, ids, torch.rand(4, 2), w1, w2, world, **kw)
+        return str(ei.value)
+
+    msgs = spawn(2, fn, timeout=60)
+    if not static:
+        assert all("disagree on H (rank 0: H 16; rank 1: H 24)" in m for m in msgs), msgs
+
+
 def test_num_experts_not_divisible_by_world_size(no_launch):
     def fn(world):
         fused.dispatch_layout(torch.zeros(3, 1, dtype=torch.long), 5, world)

@@ -35,6 +35,7 @@ import torch
 
 from ..kernels.moe_counts import launch_count_exchange
 from ..world import WorkspacePlan, World, interpreted, launch_lock
+from ..world.base import SIZE_WORDS, check_size_rows, size_words
 
 CHUNK = 64
 # The layout kernels hold [128, next_pow2(E + 2)] compare tiles: past this many experts they
@@ -143,18 +144,27 @@ def build_layout(
     world: World,
     block_m: int,
     max_tokens_per_rank: int | None = None,
+    sizes: tuple[str, dict] | None = None,
 ) -> Layout:
-    """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int."""
+    """Compute the routing layout (see module docstring). ``topk_ids [T, K]`` int.
+
+    ``sizes``: ``(op, {name: int or dtype})`` that every rank must share (``fused_experts``
+    passes its row width, dtype, experts per rank, top-k and static sizing). At W > 1 they
+    travel with the count exchange, so every rank compares every rank's at no extra cost: a
+    ValueError on every rank with exact sizing (the exchange's one host read), a device-side
+    assert with static sizing (no host read to piggyback on)."""
     if world.world_size == 1:
         if (topk_ids.is_cuda or interpreted()) and num_experts <= LAYOUT_KERNELS_MAX_E:
             return _build_layout_one_rank_kernels(
                 topk_ids, num_experts, block_m, max_tokens_per_rank
             )
         return _build_layout_one_rank(topk_ids, num_experts, block_m, max_tokens_per_rank)
-    return _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank)
+    return _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank, sizes)
 
 
-def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_rank) -> Layout:
+def _build_layout_world(
+    topk_ids, num_experts, world, block_m, max_tokens_per_rank, sizes=None
+) -> Layout:
     device = topk_ids.device
     W, rank, E = world.world_size, world.rank, num_experts
     El = E // W
@@ -174,7 +184,13 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
     slot_of = torch.where(valid, slot_of, torch.full_like(slot_of, -1)).to(i32)
     send_start = torch.cumsum(counts64[:E], 0) - counts64[:E]  # [E]
 
-    cnt_all = exchange_counts(counts, world)  # [W, E] int32
+    if sizes is None:
+        cnt_all = exchange_counts(counts, world)  # [W, E] int32
+        size_rows = None
+    else:
+        words = torch.tensor(size_words(*sizes), dtype=i32, device=device)
+        both = exchange_counts(torch.cat([counts, words]), world)  # [W, E + SIZE_WORDS]
+        cnt_all, size_rows = both[:, :E].contiguous(), both[:, E:]
     cnt_raw = cnt_all.to(torch.int64)
     # A timed-out exchange leaves -1 for the missing source (and its record in the world's error
     # buffer, raised at the op's end); zeros keep every size below non-negative meanwhile.
@@ -206,14 +222,20 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
     exact = max_tokens_per_rank is None
     if exact:
         # The one host sync of exact sizing (see module docstring).
-        host = (
-            torch.cat([rows_pad, n_kept_all(cnt64), n_chunks64.view(1), cnt_raw.min().view(1)])
-            .cpu()
-            .tolist()
-        )
+        parts = [rows_pad, n_kept_all(cnt64), n_chunks64.view(1), cnt_raw.min().view(1)]
+        if size_rows is not None:
+            parts.append(size_rows.reshape(-1).to(torch.int64))
+        host = torch.cat(parts).cpu().tolist()
+        if size_rows is not None:
+            rows_of_sizes = host[2 * W + 2 :]
+            host = host[: 2 * W + 2]
         if host[-1] < 0:  # the count exchange timed out: raise its record, never use -1s
             world.check()
             raise RuntimeError(f"rank {rank}: the count exchange returned negative counts")
+        if size_rows is not None:
+            n = SIZE_WORDS
+            rows = [rows_of_sizes[r * n : (r + 1) * n] for r in range(W)]
+            check_size_rows(sizes[0], rank, sizes[1], rows)
         rows_cap = int(host[rank])
         rows_cap_max = int(max(host[:W]))
         slots_cap_max = int(max(host[W : 2 * W]))
@@ -228,6 +250,12 @@ def _build_layout_world(topk_ids, num_experts, world, block_m, max_tokens_per_ra
         # Every rank sizes its buffers from its own bound, so a peer with a larger one (or more
         # tokens than this rank's bound) would overflow them: raised here, before any write (a
         # device-side assert on the GPU, as the id range check; no host sync).
+        if size_rows is not None:
+            torch._assert_async(
+                (size_rows == size_rows[rank : rank + 1]).all(),
+                f"rank {rank}: {sizes[0]}: the ranks disagree on its sizes "
+                f"({', '.join(sizes[1])}); every rank must call it with the same ones",
+            )
         torch._assert_async(
             (rows_pad <= rows_cap).all() & (n_kept_all(cnt64) <= slots_cap_max).all(),
             f"rank {rank}: the receive rows or a peer's assignments exceed the static sizing of "

@@ -305,11 +305,14 @@ def dispatch_layout(
     world: World,
     max_tokens_per_rank: int | None = None,
     pinned=None,
+    sizes: dict | None = None,
 ) -> Layout:
     """Routing layout of ``topk_ids [T, K]`` over ``world`` (count exchange included).
 
     ``pinned``: a tuned joint config (``moe_overlap.experts.tuning.pinned``) whose BLOCK_M the
-    layout pads experts to; the layers then use its block shapes."""
+    layout pads experts to; the layers then use its block shapes. ``sizes``: what every rank
+    must share (:func:`expert_sizes`), checked with the count exchange
+    (``moe_overlap.dispatch.layout.build_layout``)."""
     if num_experts % world.world_size:
         raise ValueError(
             f"num_experts {num_experts} must be divisible by world_size {world.world_size}"
@@ -319,7 +322,14 @@ def dispatch_layout(
             f"{topk_ids.shape[0]} tokens on rank {world.rank} exceed "
             f"max_tokens_per_rank={max_tokens_per_rank}"
         )
-    layout = build_layout(topk_ids, num_experts, world, block_m(pinned), max_tokens_per_rank)
+    layout = build_layout(
+        topk_ids,
+        num_experts,
+        world,
+        block_m(pinned),
+        max_tokens_per_rank,
+        None if sizes is None else ("fused_experts", sizes),
+    )
     layout.pinned = pinned if (pinned is not None and not interpreted()) else None
     return layout
 
@@ -1441,12 +1451,12 @@ class _FusedExpertsFn(torch.autograd.Function):
 
 
 # ------------------------------------------------------------------------------- public API
-def agree_sizes(world: World, x, El: int, K: int, max_tokens_per_rank) -> None:
-    """What every rank of an expert-parallel world must share (``World.agree``, where the
-    world checks): the row width and dtype its peers' rows arrive in, the experts a rank owns
-    (the id -> rank map), top-k and the static sizing the buffers are carved from."""
-    world.agree(
-        "fused_experts",
+def expert_sizes(x, El: int, K: int, max_tokens_per_rank) -> dict:
+    """What every rank of an expert-parallel world must share: the row width and dtype its
+    peers' rows arrive in, the experts a rank owns (the id -> rank map), top-k and the static
+    sizing the buffers are carved from. Checked twice over: by ``World.agree`` before anything
+    runs where the world checks (emulated worlds), and with the count exchange everywhere."""
+    return dict(
         H=x.shape[1],
         dtype=x.dtype,
         local_experts=El,
@@ -1530,9 +1540,10 @@ def fused_experts(
             activation,
             int(max_tokens_per_rank or 0),
         )
-    agree_sizes(world, x, El, K, max_tokens_per_rank)
+    sizes = expert_sizes(x, El, K, max_tokens_per_rank)
+    world.agree("fused_experts", **sizes)
     pinned = tuning.pinned(world.device, x.dtype, H, F, E, K)
-    layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank, pinned)
+    layout = dispatch_layout(topk_ids, E, world, max_tokens_per_rank, pinned, sizes)
     if not torch.is_grad_enabled():
         # Inference under no_grad: the Function would see needs_input_grad (the weights
         # require grad) and run the training forward (rows gathered, gate/up saved) for nothing.

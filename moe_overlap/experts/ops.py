@@ -20,13 +20,17 @@ from ..world import get_world
 from . import fused
 
 
-def _layout(x, topk_ids, w2, world_name, max_tokens_per_rank):
+def _layout(x, topk_ids, w2, world_name, max_tokens_per_rank, agree=False):
     world = get_world(world_name)
     E = w2.shape[0] * world.world_size
+    sizes = fused.expert_sizes(x, w2.shape[0], topk_ids.shape[1], max_tokens_per_rank)
+    if agree:
+        world.agree("fused_experts", **sizes)
     pinned = fused.tuning.pinned(
         world.device, x.dtype, x.shape[1], w2.shape[2], E, topk_ids.shape[1]
     )
-    return world, fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned)
+    layout = fused.dispatch_layout(topk_ids, E, world, max_tokens_per_rank or None, pinned, sizes)
+    return world, layout
 
 
 def _opt(t):
@@ -46,9 +50,7 @@ def fused_experts_op(
     activation: str,
     max_tokens_per_rank: int,
 ) -> torch.Tensor:
-    world = get_world(world_name)
-    fused.agree_sizes(world, x, w2.shape[0], topk_ids.shape[1], max_tokens_per_rank)
-    world, layout = _layout(x, topk_ids, w2, world_name, max_tokens_per_rank)
+    world, layout = _layout(x, topk_ids, w2, world_name, max_tokens_per_rank, agree=True)
     y, _ = fused._forward_impl(
         x.contiguous(), topk_weights, w1, w2, b1, b2, world, layout, activation, need_grad=False
     )

@@ -43,7 +43,7 @@ from ..errors import ERR_WORDS, CommTimeoutError
 from .topology import TopologyMixin
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_SIZE_WORDS = 8  # World.agree's exchange: the op's tag and up to 7 sizes
+SIZE_WORDS = 8  # size_words: the op's tag and up to 7 sizes
 
 
 def _size_code(v) -> int:
@@ -57,6 +57,43 @@ def _size_name(code: int, like) -> str:
         i = -1 - code
         return str(_DTYPES[i]).replace("torch.", "") if 0 <= i < len(_DTYPES) else "other"
     return str(bool(code)) if isinstance(like, bool) else str(code)
+
+
+def size_words(op: str, sizes: dict) -> list[int]:
+    """``SIZE_WORDS`` int32-safe ints that stand for ``op`` called with ``sizes`` (ints, bools,
+    dtypes): the op's tag, then the sizes, zero-padded. One length for every op, so ranks in
+    different ops still exchange alike (an NCCL all-gather of different lengths would not
+    return)."""
+    if len(sizes) >= SIZE_WORDS:
+        raise ValueError(f"at most {SIZE_WORDS - 1} sizes, got {len(sizes)}")
+    words = [zlib.crc32(op.encode()) & 0x7FFFFFFF] + [_size_code(v) for v in sizes.values()]
+    return words + [0] * (SIZE_WORDS - len(words))
+
+
+def check_size_rows(op: str, rank: int, sizes: dict, rows) -> None:
+    """Raise ``ValueError`` unless every rank's :func:`size_words` (``rows[r]``) equal this
+    rank's; the message names the sizes that differ, per rank. Every rank sees the same rows
+    and raises alike."""
+    mine = size_words(op, sizes)
+    rows = [list(map(int, v)) for v in rows]
+    if all(v == mine for v in rows):
+        return
+    if any(v[0] != mine[0] for v in rows):
+        raise ValueError(
+            f"rank {rank}: {op}: the ranks are not all in this op (collective calls out of "
+            f"order, or a rank skipped one)"
+        )
+    names = list(sizes)
+    differ = [i for i, k in enumerate(names) if len({v[1 + i] for v in rows}) > 1]
+    per_rank = "; ".join(
+        f"rank {r}: "
+        + ", ".join(f"{names[i]} {_size_name(v[1 + i], sizes[names[i]])}" for i in differ)
+        for r, v in enumerate(rows)
+    )
+    raise ValueError(
+        f"rank {rank}: {op}: the ranks disagree on {', '.join(names[i] for i in differ)} "
+        f"({per_rank}); every rank must call it with the same sizes"
+    )
 
 
 def _capturing() -> bool:
@@ -231,31 +268,7 @@ class World(TopologyMixin):
 
         if self.world_size == 1 or self.in_backward or warming_up() or not self.checks_sizes:
             return
-        names = list(sizes)
-        if len(names) >= _SIZE_WORDS:
-            raise ValueError(f"agree takes at most {_SIZE_WORDS - 1} sizes, got {len(names)}")
-        # One length for every op, so ranks in different ops still exchange alike (an NCCL
-        # all-gather of different lengths would not return).
-        mine = [zlib.crc32(op.encode()) & 0x7FFFFFFF] + [_size_code(v) for v in sizes.values()]
-        mine += [0] * (_SIZE_WORDS - len(mine))
-        got = self._exchange_sizes(mine)
-        if all(list(v) == mine for v in got):
-            return
-        if any(v[0] != mine[0] for v in got):
-            raise ValueError(
-                f"rank {self.rank}: {op}: the ranks are not all in this op (collective calls "
-                f"out of order, or a rank skipped one)"
-            )
-        differ = [i for i, k in enumerate(names) if len({v[1 + i] for v in got}) > 1]
-        rows = "; ".join(
-            f"rank {r}: "
-            + ", ".join(f"{names[i]} {_size_name(v[1 + i], sizes[names[i]])}" for i in differ)
-            for r, v in enumerate(got)
-        )
-        raise ValueError(
-            f"rank {self.rank}: {op}: the ranks disagree on {', '.join(names[i] for i in differ)} "
-            f"({rows}); every rank must call it with the same sizes"
-        )
+        check_size_rows(op, self.rank, sizes, self._exchange_sizes(size_words(op, sizes)))
 
     def all_to_all(self, send: list) -> list:
         """Host-driven tensor all-to-all (baselines, not the fused path): ``send[d]`` goes to
