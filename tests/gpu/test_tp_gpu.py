@@ -253,6 +253,35 @@ def test_local_world_forward_backward(op, dtype):
     _check([(y.detach(), x.grad, w.grad, b.grad)], ref, dtype, True, True, op)
 
 
+@pytest.mark.parametrize("op", ["ag", "rs"])
+def test_weight_spanning_more_than_2_to_the_31_elements(op):
+    """The compiled kernels address a weight whose element offsets pass 2**31 (a 256k x 12288
+    LM head at one rank) in int64 (``W64``); with int32 offsets its third row wraps around to
+    an illegal address or wrong rows. Three rows of a view with a row stride of 2**30 + 64
+    stand for it (a 4 GiB allocation, only those rows touched), forward and backward."""
+    from moe_overlap.kernels.ag_matmul import needs_int64
+
+    S, N, K = 2**30 + 64, 3, 64
+    base = torch.empty(2 * S + K, dtype=BF16, device="cuda")
+    w = base.as_strided((N, K), (S, 1))
+    assert needs_int64(w)
+    gen = _gen("span-gpu", op)
+    w_ref = _randn(gen, N, K).to(BF16)
+    with torch.no_grad():
+        for i in range(N):
+            w[i].copy_(w_ref[i])
+    x_ref = _randn(gen, 37, K).to(BF16)
+    dy_ref = _randn(gen, 37, N).to(BF16)
+    x = x_ref.cuda().requires_grad_(True)
+    fn = all_gather_matmul if op == "ag" else matmul_reduce_scatter
+    y = fn(x, w, local_world("cuda"))
+    y.backward(dy_ref.cuda())
+    torch.cuda.synchronize()
+    assert_close(y.cpu(), x_ref.double() @ w_ref.double().t(), dtype=BF16)
+    assert_close(x.grad.cpu(), dy_ref.double() @ w_ref.double(), dtype=BF16, name="dx")
+    del base, w
+
+
 # ---------------------------------------------------------------------------- MLP
 @pytest.mark.parametrize("W", [2, 4])
 def test_sequence_parallel_mlp_concurrent(W):
