@@ -340,12 +340,19 @@ def _compile_in_subprocess(script: str, tmp_path, shards: int = 1) -> str:
             )
         )
     out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        if p.returncode != 0 and "ptxas" in stderr and "No such file" in stderr:
-            pytest.skip("this Triton build ships no ptxas")
-        assert p.returncode == 0, f"sm_90 compile failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        out.append(stdout)
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=600)
+            if p.returncode != 0 and "ptxas" in stderr and "No such file" in stderr:
+                pytest.skip("this Triton build ships no ptxas")
+            assert p.returncode == 0, f"sm_90 compile failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+            out.append(stdout)
+    finally:
+        # a skip, a failure or a timeout in one shard must not leave the others compiling
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
     return "".join(out)
 
 
