@@ -161,9 +161,16 @@ def needs_int64(w) -> bool:
 @triton.jit
 def w_offsets(cols, ks, swn, swk, W64: tl.constexpr):
     """Element offsets of a ``[BK, BN]`` tile of ``w [N, K]`` (strides ``swn``, ``swk``)."""
+    # One return after an if/else on the constexpr: compiled Triton (3.6) visits a return that
+    # follows an early one and refuses the two offset types (int64 / int32), where the
+    # interpreter takes the early return and never sees the second.
     if W64:
-        return cols.to(tl.int64)[None, :] * swn + ks.to(tl.int64)[:, None] * swk
-    return cols[None, :] * swn + ks[:, None] * swk
+        c = cols.to(tl.int64)
+        k = ks.to(tl.int64)
+    else:
+        c = cols
+        k = ks
+    return c[None, :] * swn + k[:, None] * swk
 
 
 @triton.jit(do_not_specialize=["rank", "budget"])

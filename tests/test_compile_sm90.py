@@ -541,3 +541,46 @@ def test_timed_waits_leave_their_loop_together(tmp_path):
     inputs are the global timer, reduced over every warp, and the error record, read once."""
     out = _compile_in_subprocess(_WAIT_SCRIPT, tmp_path)
     assert "wait 4" in out and "wait 8" in out, out
+
+
+_TP_SCRIPT = textwrap.dedent(
+    """
+    import itertools
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from moe_overlap.kernels import ag_matmul, matmul_rs
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", y_ptr="*bf16", gout_ptr="*bf16",
+                g_local="*bf16", buf_local="*bf16", g_table="*i64", buf_table="*i64",
+                flag_table="*i64", flags_local="*i32", ctr_ptr="*i32", pad_local="*i32",
+                epoch_ptr="*i32", err_ptr="*i64", budget="i64")
+    n = 0
+    for fn, extra in ((ag_matmul._ag_matmul_kernel, dict(COPY_BLOCK=4096, SAVE_A=True,
+                                                          DO_GEMM=True)),
+                      (matmul_rs._matmul_rs_kernel, {})):
+        for role, W, w64 in itertools.product((0, 1, 2), (1, 2), (False, True)):
+            if W == 1 and role != 0:
+                continue
+            consts = dict(W=W, ROLE=role, BM=128, BN=128, BK=64, HAS_BIAS=True, W64=w64,
+                          USE_TIMER=True, **extra)
+            sig, cx = {}, {}
+            for i, name in enumerate(fn.arg_names):
+                if name in consts:
+                    sig[name], cx[(i,)] = "constexpr", consts[name]
+                else:
+                    sig[name] = ptrs.get(name, "i32")
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=cx),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": 8, "num_stages": 3})
+            n += 1
+    print(f"compiled {n} TP variants for sm_90")
+    """
+)
+
+
+def test_tp_kernels_compile_for_sm90(tmp_path):
+    # all_gather_matmul's and matmul_reduce_scatter's kernels in every role, with int32 and
+    # int64 (W64: weights past 2**31 elements) tile offsets: the compiled front end refused
+    # W64's offset helper (two return types) where the interpreter ran it (H100, 2026-12-05)
+    assert "compiled 16 TP variants" in _compile_in_subprocess(_TP_SCRIPT, tmp_path)

@@ -173,3 +173,37 @@ def test_static_sizing_survives_negative_counts(monkeypatch):
     for slice_cnt, n_tiles, rows_cap in spawn(2, fn, timeout=60):
         assert all(c == 0 for c in slice_cnt[1])  # source 1's -1s read as nothing
         assert min(min(r) for r in slice_cnt) >= 0 and 0 <= n_tiles * 4 <= rows_cap
+
+
+@pytest.mark.parametrize("T,E,K,bm", [(0, 4, 2, 16), (1, 1, 1, 16), (37, 8, 3, 16),
+                                      (300, 4, 8, 16), (64, 5, 2, 128)])  # fmt: skip
+@pytest.mark.parametrize("routing", ["uniform", "drop", "hot", "empty"])
+@pytest.mark.parametrize("W,static", [(1, False), (1, True), (2, False), (2, True)])
+def test_expert_sum_equals_float64_row_sums(T, E, K, bm, routing, W, static):
+    """The bias gradients' per-expert row sum (block sums, then float64 prefix differences)
+    against a float64 sum over each expert's real rows, with empty experts, one hot expert,
+    dropped assignments, no tokens, and static (worst-case) sizing."""
+    from moe_overlap.experts.fused import _expert_sum
+    from moe_overlap.testing import spawn
+
+    if E % W:
+        pytest.skip("experts must split over the ranks")
+
+    def fn(world):
+        ids = _ids(T, E, K, routing, seed=T + E + world.rank)
+        lay = L.build_layout(ids, E, world, bm, max_tokens_per_rank=T + 3 if static else None)
+        g = torch.Generator().manual_seed(7 + world.rank)
+        rows = torch.randn(lay.rows_cap, 33, generator=g) * 4 + 1
+        real = lay.row_tok >= -1
+        rows[~real] = 0  # padding rows are zero, as the backward masks them
+        want = torch.zeros(lay.local_experts, 33, dtype=torch.float64)
+        want.index_add_(0, lay.row_local_expert.long()[real], rows[real].double())
+        got = _expert_sum(rows, lay)
+        return got, want, int(real.sum())
+
+    for got, want, n_real in spawn(W, fn, timeout=60):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        err = (got.double() - want).abs().max().item() if want.numel() else 0.0
+        assert err <= 1e-5 * max(want.abs().max().item() if want.numel() else 0.0, 1.0), err
+        if n_real == 0:
+            assert not got.any()

@@ -852,9 +852,24 @@ def _valid_rows(layout: Layout) -> torch.Tensor:
 
 
 def _expert_sum(rows, layout: Layout):
-    """Per-local-expert sum of ``rows [R, N]`` (padding rows must be zero) -> ``[El, N]``."""
-    out = torch.zeros(layout.local_experts, rows.shape[1], dtype=torch.float32, device=rows.device)
-    return out.index_add_(0, layout.row_local_expert.long(), rows.float())
+    """Per-local-expert sum of ``rows [R, N]`` (padding rows must be zero) -> ``[El, N]`` fp32.
+
+    Deterministic: every expert's rows start on a ``block_m`` boundary, so each block of rows
+    belongs to one expert; blocks are summed by a plain reduction and each expert's run of
+    blocks is a difference of float64 prefix sums. (``index_add_`` adds by atomics on CUDA:
+    two runs of one backward gave bias gradients a bf16 ulp apart on the H100, 2026-12-05.)
+    """
+    R, N = rows.shape
+    bm = layout.block_m
+    if R == 0 or N == 0 or R % bm:
+        out = torch.zeros(layout.local_experts, N, dtype=torch.float32, device=rows.device)
+        return out.index_add_(0, layout.row_local_expert.long(), rows.float()) if R else out
+    blocks = rows.reshape(R // bm, bm, N).sum(1, dtype=torch.float32)
+    pre = torch.zeros(R // bm + 1, N, dtype=torch.float64, device=rows.device)
+    torch.cumsum(blocks, 0, dtype=torch.float64, out=pre[1:])
+    first = layout.expert_start.long() // bm
+    last = torch.maximum((layout.expert_end.long() + bm - 1) // bm, first)
+    return (pre[last] - pre[first]).float()
 
 
 def wgrad_config() -> dict:

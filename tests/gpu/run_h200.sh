@@ -28,8 +28,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # Each worker is its own CUDA context, time-sliced, so a concurrent emulated world keeps its
   # grids co-resident. PYTEST_WORKERS=0 runs serially. SIGINT at the limit: pytest still
   # prints which tests failed and why.
+  # --dist load, not loadfile: test_fused_experts_gpu.py alone outlasted a 370 s pass on one
+  # worker (57 of its tests never started, H100 2026-12-05); spread per test they took 124 s.
   xd=""; n=${PYTEST_WORKERS:-4}
-  [ "$n" != 0 ] && python3 -c "import xdist" 2>/dev/null && xd="-n $n --dist ${PYTEST_DIST:-loadfile}"
+  [ "$n" != 0 ] && python3 -c "import xdist" 2>/dev/null && xd="-n $n --dist ${PYTEST_DIST:-load}"
   # Tests named "concurrent" (emulated ranks on streams of one process, spinning on each other)
   # run in a serial pass after the xdist one: with worker processes time-slicing the GPU, a
   # rank's wait budget runs out while its peer's context is switched out (four-rank TP tests
