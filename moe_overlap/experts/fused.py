@@ -860,10 +860,7 @@ def _expert_sum(rows, layout: Layout):
     two runs of one backward gave bias gradients a bf16 ulp apart on the H100, 2026-12-05.)
     """
     R, N = rows.shape
-    bm = layout.block_m
-    if R == 0 or N == 0 or R % bm:
-        out = torch.zeros(layout.local_experts, N, dtype=torch.float32, device=rows.device)
-        return out.index_add_(0, layout.row_local_expert.long(), rows.float()) if R else out
+    bm = layout.block_m  # R is a whole number of blocks (every layout pads rows_cap so)
     blocks = rows.reshape(R // bm, bm, N).sum(1, dtype=torch.float32)
     pre = torch.zeros(R // bm + 1, N, dtype=torch.float64, device=rows.device)
     torch.cumsum(blocks, 0, dtype=torch.float64, out=pre[1:])
