@@ -242,6 +242,60 @@ def test_tile_fill(counts, want):
     assert Hn._tile_fill(dense, None) is None and R.fill_line({}) is None
 
 
+def test_min_bytes_worked_examples():
+    """Weights once per GEMM that reads them (twice with the backward, plus their gradients),
+    the op's token inputs/outputs once; by hand for deepseek-v3 and a dense shape."""
+    ds = P.PRESETS["deepseek-v3"]  # T 8192, H 7168, F 2048, E 256
+    T, H, F, E = 8192, 7168, 2048, 256
+    w1, w2 = E * 2 * F * H, E * H * F
+    M = T * 8
+    assert Hn.min_bytes("moe", ds, M, 1, 2, True) == 2 * (3 * (w1 + w2) + 4 * T * H)
+    assert Hn.min_bytes("moe", ds, M, 1, 2, True) / 1e9 == pytest.approx(68.1, abs=0.05)
+    assert Hn.min_bytes("moe", ds, M, 1, 2, False) == 2 * (w1 + w2 + 2 * T * H)
+    assert Hn.min_bytes("layer0", ds, M, 1, 2, False) == 2 * (w1 + T * H + M * F)
+    assert Hn.min_bytes("layer1", ds, M, 1, 2, False) == 2 * (w2 + M * F + T * H)
+    # four ranks: a quarter of the experts each, the rank's own tokens
+    assert Hn.min_bytes("layer1", ds, 1000, 4, 2, False) == 2 * (w2 // 4 + 1000 * F + T * H)
+    d = P.DenseShape("d", 256, 96, 64)
+    assert Hn.min_bytes("ag-matmul", d, 0, 2, 4, False) == 4 * (256 * 64 + 48 * 64 + 256 * 48)
+    assert Hn.min_bytes("matmul-rs", d, 0, 2, 4, False) == 4 * (256 * 32 + 96 * 32 + 128 * 96)
+    with pytest.raises(ValueError, match="unknown op"):
+        Hn.min_bytes("gemm", d, 0, 1, 2, False)
+
+
+def test_bounds_floors_and_line():
+    """The floors: issued FLOPs (over the fill) at the probed matmul rate against the bytes at
+    the probed bandwidth, the slowest rank's, and each candidate's share of the larger."""
+    ds = P.PRESETS["deepseek-v3"]
+    spec = Hn.RunSpec("moe", ds, torch.bfloat16, torch.device("cpu"), world_size=2, backward=True)
+    merged = {"M": [30000, 35536], "fill": [0.75, 0.8]}
+    rates = {"mm_n": 8192, "mm_tflops": 800.0, "copy_tb_s": 3.0}
+    b = Hn.bounds(spec, merged, rates)
+    fl = [Hn.flops_moe(m, 7168, 2048, "swiglu", True) for m in merged["M"]]
+    issued = max(fl[0] / 0.75, fl[1] / 0.8)
+    assert b["compute_floor_ms"] == pytest.approx(issued / 800e12 * 1e3)
+    by = max(Hn.min_bytes("moe", ds, m, 2, 2, True) for m in merged["M"])
+    assert b["memory_floor_ms"] == pytest.approx(by / 3e12 * 1e3)
+    assert b["bound"] == ("compute" if b["compute_floor_ms"] >= b["memory_floor_ms"] else "memory")
+    slow = dict(rates, copy_tb_s=0.3)  # a tenth of the bandwidth: memory-bound
+    assert Hn.bounds(spec, merged, slow)["bound"] == "memory"
+    floor = max(b["compute_floor_ms"], b["memory_floor_ms"])
+    run = {
+        "bounds": b,
+        "cases": [
+            {"name": "fused", "role": "candidate", "share_of_floor": floor / (2 * floor)},
+            {"name": "unfused", "role": "baseline", "share_of_floor": 0.25},
+        ],
+    }
+    line = R.bounds_line(run)
+    assert f"compute {b['compute_floor_ms']:.3f} ms" in line and "800 TFLOP/s" in line
+    assert f"memory {b['memory_floor_ms']:.3f} ms" in line and "3.00 TB/s" in line
+    assert f"{b['bound']}-bound" in line and "fused at 50% of the floor" in line
+    assert R.bounds_line({"bounds": Hn.bounds(spec, merged, None)}) is None
+    assert R.bounds_line({}) is None
+    assert Hn.device_rates("cpu", torch.float32) is None
+
+
 def test_rel_error():
     a = torch.ones(4)
     assert Hn.rel_error(a, a) == 0.0
@@ -508,6 +562,12 @@ def test_cli_layer0_json_png_md(tmp_path, capsys):
     assert run["tile_fill_per_rank"] == [pytest.approx(want)]
     assert f"fill {want:.1%} of their 128-row GEMM tiles" in md.read_text()
     assert f"fill {want:.1%}" in out
+    # the byte and FLOP counts of the floors; no probe (and so no floors line) off the GPU
+    b = run["bounds"]
+    assert b["rates"] is None and "bound" not in b and "floors:" not in out
+    want_b = Hn.min_bytes("layer0", P.PRESETS["tiny"], run["kept_rows_per_rank"][0], 1, 4, False)
+    assert b["per_rank"][0]["bytes_min"] == want_b
+    assert b["per_rank"][0]["flops_issued"] == pytest.approx(b["per_rank"][0]["flops"] / want)
     if HAS_MPL:
         assert png.read_bytes()[:4] == b"\x89PNG"
 

@@ -115,6 +115,11 @@ def _add_common(p: argparse.ArgumentParser, dense: bool = False, multi: bool = F
         help="comma list of fused candidates (default all; 'none')",
     )
     r.add_argument("--no-check", action="store_true", help="skip the correctness cross-checks")
+    r.add_argument(
+        "--no-bounds",
+        action="store_true",
+        help="skip the GPU's matmul-rate and copy-bandwidth probe (the compute/memory floors)",
+    )
     r.add_argument("--seed", type=int, default=0)
     if not dense or multi:
         r.add_argument("--backward", action="store_true", help="moe: time forward+backward")
@@ -332,6 +337,7 @@ def _specs(args, device, dtype, world_size):
                     rounds=args.rounds,
                     n_sets=args.sets,
                     check=not args.no_check,
+                    bounds=not args.no_bounds,
                     trace=bool(args.trace),
                     seed=args.seed,
                 )

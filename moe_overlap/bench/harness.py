@@ -17,7 +17,10 @@ Flow of one run (:func:`run`), the same on every rank:
 4. Metrics: TFLOP/s from the counted FLOPs (:func:`flops_layer0` ...), each candidate's speedup
    over each baseline (``t_baseline / t_candidate``), and with several ranks the effective
    communication time (``candidate - best non-split GEMM``) and, where the communication alone
-   was measured (real ranks), the share of it hidden.
+   was measured (real ranks), the share of it hidden. On a GPU, the op's floors
+   (:func:`bounds`): issued GEMM FLOPs at the card's dense matmul rate and the op's least HBM
+   traffic (:func:`min_bytes`) at its copy bandwidth, both probed at the start of the run
+   (:func:`device_rates`), and each case's share of the larger.
 
 Several ranks: emulated ranks on one GPU (``testing.spawn(..., mode="concurrent")``) share the
 device clock, so an iteration's time is ``max(end) - min(start)`` over the ranks' events; real
@@ -47,6 +50,7 @@ __all__ = [
     "flops_layer1",
     "flops_moe",
     "flops_dense",
+    "min_bytes",
     "parse_amount",
     "run",
     "rel_error",
@@ -130,6 +134,7 @@ class RunSpec:
     check: bool = True
     trace: bool = False
     trace_capacity: int = 1 << 18
+    bounds: bool = True  # probe the GPU's matmul rate and copy bandwidth for the floors
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -797,6 +802,125 @@ def _tile_fill(problem, world):
     return rows / (tiles * FILL_TILE_M) if tiles else None
 
 
+def min_bytes(op: str, shape, M: int, world_size: int, itemsize: int, backward: bool) -> float:
+    """A lower bound on one rank's HBM traffic for ``op``: every GEMM reads its whole weight
+    (the rank's local experts, or its dense shard) once, the backward writes the weight
+    gradients once, and the op's own inputs and outputs cross memory once (MoE: the rank's
+    tokens ``x``/``y`` and in the backward ``dy``/``dx``, all ``[T, H]``; layer 0 writes
+    ``h [M, F]``, layer 1 reads it). Intermediates between kernels are left out, so any
+    implementation moves at least this much. ``M``: the rank's kept routed rows.
+
+    Worked example, deepseek-v3 forward+backward at one rank (bf16): the weights are 15.0 GB
+    (``w1``) + 7.5 GB (``w2``), read twice and written once as gradients: 67.6 GB, plus 4 x
+    117 MB of tokens; ~68 GB, 20 ms at 3.35 TB/s (H100) and 14 ms at 4.8 TB/s (H200)."""
+    W = world_size
+    if op in MOE_OPS:
+        El = shape.experts // W
+        T, H, F = shape.tokens, shape.hidden, shape.ffn
+        w1 = El * shape.w1_rows * H
+        w2 = El * H * F
+        if op == "layer0":
+            n = w1 + T * H + M * F
+        elif op == "layer1":
+            n = w2 + M * F + T * H
+        else:
+            n = (3 * (w1 + w2) + 4 * T * H) if backward else (w1 + w2 + 2 * T * H)
+        return float(n * itemsize)
+    Mg, N, K = shape.m, shape.n, shape.k
+    if op == "ag-matmul":  # gathered x [M, K] @ weight shard [N/W, K]^T -> [M, N/W]
+        n = Mg * K + (N // W) * K + Mg * (N // W)
+    elif op == "matmul-rs":  # x [M, K/W] @ weight [N, K/W]^T, reduced to [M/W, N]
+        n = Mg * (K // W) + N * (K // W) + (Mg // W) * N
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return float(n * itemsize)
+
+
+def op_flops(op: str, shape, M: int, world_size: int, backward: bool) -> float:
+    """One rank's GEMM FLOPs for ``op`` (the counts the TFLOP/s use)."""
+    if op == "layer0":
+        return flops_layer0(M, shape.hidden, shape.ffn, shape.activation)
+    if op == "layer1":
+        return flops_layer1(M, shape.ffn, shape.hidden)
+    if op == "moe":
+        return flops_moe(M, shape.hidden, shape.ffn, shape.activation, backward)
+    return flops_dense(op, shape.m, shape.n, shape.k, world_size)
+
+
+def device_rates(device, dtype, n: int = 8192, copy_bytes: int = 1 << 30) -> dict | None:
+    """This GPU's dense ``n x n x n`` matmul rate in ``dtype`` and its device-to-device copy
+    bandwidth (a ``copy_bytes`` buffer, read and written: 2x the bytes), medians of 10 timed
+    calls after 3 warm ones, CUDA events; measured in the same run as the cases so the floors
+    below use this card's numbers. None off the GPU (CPU times mean nothing)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.set_device(device)
+
+    def median_ms(fn):
+        for _ in range(3):
+            fn()
+        ms = []
+        for _ in range(10):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ms.append(a.elapsed_time(b))
+        return statistics.median(ms)
+
+    def mm_ms():
+        x = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+        y = torch.randn(n, n, device=device, dtype=torch.float32).to(dtype)
+        z = torch.empty(n, n, device=device, dtype=dtype)
+        return median_ms(lambda: torch.mm(x, y, out=z))
+
+    def copy_ms():
+        src = torch.randn(copy_bytes // 4, device=device)
+        dst = torch.empty_like(src)
+        return median_ms(lambda: dst.copy_(src))
+
+    mm, cp = mm_ms(), copy_ms()
+    torch.cuda.empty_cache()
+    return {
+        "mm_n": n,
+        "mm_tflops": 2.0 * n**3 / (mm * 1e-3) / 1e12,
+        "copy_tb_s": 2.0 * copy_bytes / (cp * 1e-3) / 1e12,
+    }
+
+
+def bounds(spec: RunSpec, merged: dict, rates: dict | None) -> dict:
+    """What bounds the op on this card, per rank (the slowest rank's floor):
+    ``flops_issued`` (the GEMM FLOPs over the row tiles' fill, as padding rows cost as much as
+    real ones; applied to every GEMM, though the weight gradients' 64-row steps fill more),
+    ``bytes_min`` (:func:`min_bytes`), and with ``rates`` the two floors,
+    ``compute_floor_ms`` (issued FLOPs at the dense matmul's rate) and ``memory_floor_ms``
+    (``bytes_min`` at the copy bandwidth), ``bound`` (the larger) and each timed candidate's
+    ``share_of_floor`` (the larger floor over its median: 1.0 would be at the floor)."""
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    per_rank = []
+    for r, (M, fill) in enumerate(zip(merged["M"], merged["fill"])):
+        M = int(M or 0)
+        fl = op_flops(spec.op, spec.shape, M, spec.world_size, spec.backward)
+        per_rank.append(
+            {
+                "rank": r,
+                "flops": fl,
+                "flops_issued": fl / fill if fill else fl,
+                "bytes_min": min_bytes(
+                    spec.op, spec.shape, M, spec.world_size, itemsize, spec.backward
+                ),
+            }
+        )
+    out = {"per_rank": per_rank, "rates": rates}
+    if rates:
+        c = max(p["flops_issued"] for p in per_rank) / (rates["mm_tflops"] * 1e12) * 1e3
+        m = max(p["bytes_min"] for p in per_rank) / (rates["copy_tb_s"] * 1e12) * 1e3
+        out.update(compute_floor_ms=c, memory_floor_ms=m, bound="compute" if c >= m else "memory")
+    return out
+
+
 def _is_dist(world) -> bool:
     """A world of several processes (torch_symm on one node, nvshmem across nodes)."""
     from ..world.dist_collectives import DistCollectives
@@ -951,6 +1075,9 @@ def run(spec: RunSpec, world=None) -> dict:
     if spec.op not in ALL_OPS:
         raise ValueError(f"op must be one of {ALL_OPS}, got {spec.op!r}")
     t0 = time.perf_counter()
+    # probed before the problem is built: the probe's buffers are gone by the time the cases
+    # need the memory
+    rates = device_rates(spec.device, spec.dtype) if spec.bounds else None
     emulated_cuda = False
     if world is not None:
         rank_results = [run_rank(world, spec)]
@@ -988,6 +1115,13 @@ def run(spec: RunSpec, world=None) -> dict:
         "wall_s": None,
     }
     out.update(metrics(spec, merged))
+    out["bounds"] = bounds(spec, merged, rates)
+    floor = max(
+        out["bounds"].get("compute_floor_ms", 0.0), out["bounds"].get("memory_floor_ms", 0.0)
+    )
+    for c in out["cases"]:
+        if floor and c.get("median_ms") and c["role"] in ("candidate", "baseline"):
+            c["share_of_floor"] = floor / c["median_ms"]
     out["traces"] = merged["traces"]  # tensors: the CLI writes them out and drops them
     out["wall_s"] = time.perf_counter() - t0
     return out

@@ -187,6 +187,29 @@ def fill_line(run: dict) -> str | None:
     )
 
 
+def bounds_line(run: dict) -> str | None:
+    """The op's floors on this card (see ``harness.bounds``), or None without a GPU probe."""
+    b = run.get("bounds") or {}
+    if "bound" not in b:
+        return None
+    r = b["rates"]
+    worst = max(b["per_rank"], key=lambda p: p["flops_issued"])
+    cands = [
+        c for c in run.get("cases", []) if c.get("share_of_floor") and c["role"] == "candidate"
+    ]
+    best = max(cands, key=lambda c: c["share_of_floor"]) if cands else None
+    gb = max(p["bytes_min"] for p in b["per_rank"]) / 1e9
+    line = (
+        f"floors: compute {b['compute_floor_ms']:.3f} ms ({worst['flops_issued'] / 1e12:.2f} "
+        f"TFLOP issued at this card's {r['mm_n']}^3 matmul rate, {r['mm_tflops']:.0f} TFLOP/s), "
+        f"memory {b['memory_floor_ms']:.3f} ms (>= {gb:.2f} "
+        f"GB at its copy bandwidth, {r['copy_tb_s']:.2f} TB/s): {b['bound']}-bound"
+    )
+    if best is not None:
+        line += f"; {best['name']} at {best['share_of_floor']:.0%} of the floor"
+    return line
+
+
 def format_table(run: dict) -> str:
     """A plain-text table of one run."""
     rows = [HEADER] + table_rows(run)
@@ -207,9 +230,9 @@ def format_table(run: dict) -> str:
                 f"; communication alone {m['comm_alone_ms']:.3f} ms, {m['hidden_share']:.0%} hidden"
             )
         lines.append(line)
-    fill = fill_line(run)
-    if fill:
-        lines.append(fill)
+    for extra in (fill_line(run), bounds_line(run)):
+        if extra:
+            lines.append(extra)
     return "\n".join(lines)
 
 
@@ -383,9 +406,9 @@ def append_markdown(runs: list, env: dict, path) -> Path:
             if "hidden_share" in m:
                 s += f", {m['hidden_share']:.0%} of communication hidden"
             lines += ["", s]
-        fill = fill_line(run)
-        if fill:
-            lines += ["", fill]
+        for extra in (fill_line(run), bounds_line(run)):
+            if extra:
+                lines += ["", extra]
         lines.append("")
     with open(path, "a") as f:
         f.write("\n".join(lines) + "\n")
