@@ -85,6 +85,23 @@ is no spin budget to bound. ``d h`` is rounded to the input dtype before the der
 unfused pipeline rounds it too: ``grouped_mm`` writes bf16); the Triton kernel keeps fp32
 there, so the two agree to bf16 rounding (2.8e-3 relative), not bitwise.
 
+``SPLIT`` (``MOE_OVERLAP_WS_SPLIT=1``; the row modes, not ``WGRAD``): the two MMA warp groups
+as two partitions of one warp group each (:func:`_mma_lo` the default, with the loads;
+:func:`_mma_hi` a worker), each with its own ``[64, BN]`` accumulator on its half of the
+stage's A tile. A tile whose last 64 rows are all padding (the expert ends in its first 64)
+costs warp group 1 no wgmma: it waits for each step's tile, releases the stage and hands the
+epilogue zeros. At deepseek-v3 (256 rows an expert on average, 2.5 tiles an expert) about half
+the experts' last tile is such a tile, so the row GEMMs would issue 2.25 tiles' wgmmas an
+expert instead of 2.5 (~10%; the other presets, 1-3%). Warp group 0 now refills a stage only
+once warp group 1 has released it too (``empty[s]``, one arrival a step; it was the same
+partition's own ``warpgroup_mma_wait`` before), and ``c_ready`` takes an arrival from each
+half. Deadlock-free by construction: warp group 1 waits for step ``i``'s tile before it
+releases step ``i``, so it is never a ring ahead of the loads, and both wait the same
+``c_empty`` phase. Same wgmmas on the same data, so bitwise equal to the unsplit kernel (the
+GPU test checks it). Compiled for sm_90 on the CPU (2026-12-05, Triton 3.9's ptxas: the
+worker at 160 registers like the default partition, 12 warps, no injected wgmma wait, no
+spills but 16 bytes in the backward); **not yet run on a GPU**, hence off by default.
+
 Budget (Triton 3.6, sm_90a): 128x256x64, 3 stages: 3 x 48 KiB ring + 64 KiB ``c_smem`` =
 208 KiB of shared memory. An ``m64n256`` wgmma needs >= 154 registers a thread at compile
 time, so ``maxnreg`` is 168 and the kernel has at most 12 warps (65536 / 168 / 32); a third
@@ -152,6 +169,7 @@ if HAVE_GLUON:
         ready: gl.shared_memory_descriptor
         c_ready: gl.shared_memory_descriptor
         c_empty: gl.shared_memory_descriptor
+        empty: gl.shared_memory_descriptor
         pre_ptr: gl.tensor
         out_ptr: gl.tensor
         row_l_ptr: gl.tensor
@@ -175,6 +193,7 @@ if HAVE_GLUON:
         B_KMAJOR: gl.constexpr
         CARRY: gl.constexpr
         WGRAD: gl.constexpr
+        SPLIT: gl.constexpr
         MMA_WARPS: gl.constexpr
         EPI_WARPS: gl.constexpr
 
@@ -189,6 +208,7 @@ if HAVE_GLUON:
             ready,
             c_ready,
             c_empty,
+            empty,
             pre_ptr,
             out_ptr,
             row_l_ptr,
@@ -212,6 +232,7 @@ if HAVE_GLUON:
             B_KMAJOR,
             CARRY,
             WGRAD,
+            SPLIT,
             MMA_WARPS,
             EPI_WARPS,
         ):
@@ -223,6 +244,7 @@ if HAVE_GLUON:
             self.ready = ready
             self.c_ready = c_ready
             self.c_empty = c_empty
+            self.empty = empty
             self.pre_ptr = pre_ptr
             self.out_ptr = out_ptr
             self.row_l_ptr = row_l_ptr
@@ -246,6 +268,7 @@ if HAVE_GLUON:
             self.B_KMAJOR = gl.constexpr(B_KMAJOR)
             self.CARRY = gl.constexpr(CARRY)
             self.WGRAD = gl.constexpr(WGRAD)
+            self.SPLIT = gl.constexpr(SPLIT)
             self.MMA_WARPS = gl.constexpr(MMA_WARPS)
             self.EPI_WARPS = gl.constexpr(EPI_WARPS)
 
@@ -410,6 +433,137 @@ if HAVE_GLUON:
             p.c_smem.store(acc.to(p.out_ptr.dtype.element_ty))
             fence_async_shared()
             mbarrier.arrive(p.c_ready)
+
+    @gluon.jit
+    def _wgmma_half(p, s, acc, kk, LO: gl.constexpr):
+        """One K step of one warp group: its 64 rows of the stage's A tile (``LO``: the first
+        64) against the whole B tile."""
+        HALF: gl.constexpr = p.BM // 2
+        a = p.a_bufs.index(s).slice(0 if LO else HALF, HALF, dim=0)
+        if p.B_KMAJOR:
+            acc = warpgroup_mma(a, p.b_bufs.index(s).permute((1, 0)), acc, use_acc=kk > 0,
+                                is_async=True)  # fmt: skip
+        else:
+            acc = warpgroup_mma(a, p.b_bufs.index(s), acc, use_acc=kk > 0, is_async=True)
+        return acc
+
+    @gluon.jit
+    def _mma_lo(p):
+        """``SPLIT``'s default partition, warp group 0: the tile's first 64 rows (never all
+        padding: a tile exists only for an expert row), and the loads as in :func:`_mma`, a
+        stage refilled once warp group 1 has released it too (``empty``)."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        HALF: gl.constexpr = p.BM // 2
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
+        )
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
+        n_k = gl.cdiv(p.KD, p.BK)
+        n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
+        r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
+        r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
+        zero = pid * 0
+        st = (zero, zero, r0, nt, le, r0n, ntn, len_)
+        for ip in gl.static_range(STAGES - 1):
+            if p.CARRY:
+                _issue(p, ip, n_iter, st)
+                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+            else:
+                _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
+        acc = gl.zeros((HALF, p.BN), gl.float32, layout=layout)
+        ic = zero
+        for j in range(n_iter // n_k):
+            for kk in range(n_k):
+                s = ic % STAGES
+                mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+                acc = _wgmma_half(p, s, acc, kk, True)
+                acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                # step ic + STAGES - 1 takes the stage of step ic - 1, once warp group 1 is
+                # done with it too (its first use passes: a fresh barrier passes phase 1)
+                iq = ic + STAGES - 1
+                mbarrier.wait(p.empty.index(iq % STAGES), ((iq // STAGES) & 1) ^ 1)
+                if p.CARRY:
+                    _issue(p, iq, n_iter, st)
+                    st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+                else:
+                    _issue_at(p, iq, n_iter, pid, nprog, n_m, n_n, n_k)
+                ic += 1
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.wait(p.c_empty, (j & 1) ^ 1)
+            p.c_smem.slice(0, HALF, dim=0).store(acc.to(p.out_ptr.dtype.element_ty))
+            fence_async_shared()
+            mbarrier.arrive(p.c_ready)
+
+    @gluon.jit
+    def _tile_row0(p, t, n_m, n_n, total):
+        """(first row, its local expert) of tile ``t``; expert 0 past the last tile."""
+        mt, _ = _tile_of(t, n_m, n_n, p.GROUP_M)
+        r0 = mt * p.BM
+        return r0, gl.load(p.row_l_ptr + r0, mask=t < total, other=0)
+
+    @gluon.jit
+    def _mma_hi(p):
+        """``SPLIT``'s worker partition, warp group 1: the tile's last 64 rows. Where they are
+        all padding (the expert ends in the first 64: about half the experts' last tile when
+        each has ~256 rows, as at deepseek-v3), it issues no wgmma and hands the epilogue
+        zeros; it still waits for each step's tile and releases its stage, so the two warp
+        groups stay on the same step of the ring.
+
+        The tile's expert end takes two dependent loads (the row's expert, then its end): the
+        expert is loaded two tiles ahead and the end one tile ahead, so neither sits between
+        two wgmmas."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        HALF: gl.constexpr = p.BM // 2
+        layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
+        )
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
+        n_k = gl.cdiv(p.KD, p.BK)
+        total = n_m * n_n
+        mine = gl.cdiv(gl.maximum(total - pid, 0), nprog)
+        r0, le = _tile_row0(p, pid, n_m, n_n, total)
+        end = gl.load(p.exp_end_ptr + le, mask=pid < total, other=0)
+        r0n, len_ = _tile_row0(p, pid + nprog, n_m, n_n, total)
+        acc = gl.zeros((HALF, p.BN), gl.float32, layout=layout)
+        ic = pid * 0
+        for j in range(mine):
+            t = pid + j * nprog
+            r0nn, lenn = _tile_row0(p, t + 2 * nprog, n_m, n_n, total)
+            endn = gl.load(p.exp_end_ptr + len_, mask=t + nprog < total, other=0)
+            if r0 + HALF < end:
+                for kk in range(n_k):
+                    s = ic % STAGES
+                    mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+                    acc = _wgmma_half(p, s, acc, kk, False)
+                    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+                    # step ic - 1's wgmma is done: its stage may be refilled
+                    mbarrier.arrive(p.empty.index((ic + STAGES - 1) % STAGES), pred=kk > 0)
+                    ic += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(p.empty.index((ic + STAGES - 1) % STAGES))
+            else:
+                for _kk in range(n_k):
+                    s = ic % STAGES
+                    mbarrier.wait(p.ready.index(s), (ic // STAGES) & 1)
+                    mbarrier.arrive(p.empty.index(s))
+                    ic += 1
+                # zeros, not whatever c_smem held: the backward's epilogue multiplies these
+                # rows by zeros, and uninitialized shared memory may hold NaN
+                acc = gl.zeros((HALF, p.BN), gl.float32, layout=layout)
+            mbarrier.wait(p.c_empty, (j & 1) ^ 1)
+            p.c_smem.slice(HALF, HALF, dim=0).store(acc.to(p.out_ptr.dtype.element_ty))
+            fence_async_shared()
+            mbarrier.arrive(p.c_ready)
+            r0 = r0n
+            end = endn
+            r0n = r0nn
+            len_ = lenn
 
     @gluon.jit
     def _tile_rows(p, t, n_m, n_n, total):
@@ -753,6 +907,8 @@ if HAVE_GLUON:
         EPI_WARPS: gl.constexpr,
         EPI_REGS: gl.constexpr,
         num_warps: gl.constexpr,
+        SPLIT: gl.constexpr = False,
+        MMA_REGS: gl.constexpr = 160,
     ):
         dt: gl.constexpr = a_desc.dtype
         if WGRAD:  # the rows' A tiles [BK, BM], read transposed
@@ -768,15 +924,29 @@ if HAVE_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         c_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         c_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        # SPLIT: warp group 1 releases each stage (empty), and both halves of c_smem must be
+        # stored before the epilogue reads it (c_ready counts two arrivals)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(STAGES):
             mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(c_ready, count=1)
+            mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(c_ready, count=2 if SPLIT else 1)
         mbarrier.init(c_empty, count=1)
-        p = _Args(a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, c_ready, c_empty,
+        p = _Args(a_desc, b_desc, a_bufs, b_bufs, c_smem, ready, c_ready, c_empty, empty,
                   pre_ptr, out_ptr, row_l_ptr, exp_end_ptr, n_tiles_ptr, dw_ptr, dw_slot_ptr,
                   KD, N, stride_pm, stride_om, n_exp, BM, BN, BK, GROUP_M, DW, FWD, SAVE_GU, ROWS,
-                  B_KMAJOR, CARRY, WGRAD, num_warps, EPI_WARPS)  # fmt: skip
-        if WGRAD:
+                  B_KMAJOR, CARRY, WGRAD, SPLIT, num_warps, EPI_WARPS)  # fmt: skip
+        if SPLIT:  # one partition per MMA warp group (num_warps 4), rows mode or layer 0's
+            if FWD:
+                gl.warp_specialize([(_mma_lo, (p,)), (_mma_hi, (p,)), (_epilogue_fwd, (p,))],
+                                   [4, EPI_WARPS], [MMA_REGS, EPI_REGS])  # fmt: skip
+            elif ROWS:
+                gl.warp_specialize([(_mma_lo, (p,)), (_mma_hi, (p,)), (_epilogue_rows, (p,))],
+                                   [4, EPI_WARPS], [MMA_REGS, EPI_REGS])  # fmt: skip
+            else:
+                gl.warp_specialize([(_mma_lo, (p,)), (_mma_hi, (p,)), (_epilogue, (p,))],
+                                   [4, EPI_WARPS], [MMA_REGS, EPI_REGS])  # fmt: skip
+        elif WGRAD:
             gl.warp_specialize([(_mma_wgrad, (p,)), (_epilogue_wgrad, (p,))], [EPI_WARPS],
                                [EPI_REGS])  # fmt: skip
         elif FWD:
@@ -800,6 +970,7 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, slot, KD, N, cfg, n_programs, 
     fwd = mode == "swiglu"
     rows = mode in ("rows", "rows_t")
     carry = cfg.get("CARRY")
+    split = bool(cfg.get("SPLIT", False))
     _moe_ws_kernel[(n_programs,)](
         a_desc,
         b_desc,
@@ -829,7 +1000,10 @@ def _launch(a_desc, b_desc, pre, out, layout, dw, slot, KD, N, cfg, n_programs, 
         WGRAD=False,
         EPI_WARPS=4,
         EPI_REGS=cfg["EPI_REGS"],
-        num_warps=8,
+        # SPLIT: the default partition is warp group 0 alone, warp group 1 a worker
+        num_warps=4 if split else 8,
+        SPLIT=split,
+        MMA_REGS=cfg.get("MMA_REGS", 160),
         maxnreg=cfg["MAXNREG"],
     )
 

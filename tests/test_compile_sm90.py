@@ -404,9 +404,15 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         ((64, 64, 4, 8, 128), "rows", "bf16", True))]
     cases += [(D, "wgrad", False, False, "bf16", True),
               ((128, 64, 4, 8, 152), "wgrad", False, False, "fp16", True)]
+    cases = [c + (False,) for c in cases]
+    # SPLIT (one partition per MMA warp group, MOE_OVERLAP_WS_SPLIT): every row mode
+    cases += [(D, "dact", True, False, "bf16", False, True),
+              (D, "swiglu", False, True, "bf16", True, True),
+              (D, "rows_t", False, False, "bf16", True, True),
+              ((128, 64, 4, 8, 152), "rows", False, False, "fp16", True, True)]
     # every SHARDS-th case from SHARD on (the test runs its shards side by side)
     SHARD, SHARDS = map(int, os.environ.get("COMPILE_SHARD", "0/1").split("/"))
-    for (BN, BK, ST, GM, ER), mode, DW, SAVE, dt, CARRY in cases[SHARD::SHARDS]:
+    for (BN, BK, ST, GM, ER), mode, DW, SAVE, dt, CARRY, SPLIT in cases[SHARD::SHARDS]:
         FWD, ROWS, KMAJ = mode == "swiglu", mode.startswith("rows"), mode in ("swiglu", "rows_t")
         WG = mode == "wgrad"
         cfg = dact_ws_config()
@@ -431,9 +437,10 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
                      out_ptr="*" + dt, row_l_ptr="*i32", exp_end_ptr="*i32", n_tiles_ptr="*i32",
                      dw_ptr="*fp32", dw_slot_ptr="*i32", KD="i32", N="i32", stride_pm="i32",
                      stride_om="i32", n_exp="i32")
+        warps = 4 if SPLIT else 8  # SPLIT's default partition is one warp group
         consts = dict(BM=BM, BN=BN, BK=BK, STAGES=ST, GROUP_M=GM, DW=DW, FWD=FWD, SAVE_GU=SAVE,
                       ROWS=ROWS, B_KMAJOR=KMAJ, CARRY=CARRY, WGRAD=WG, EPI_WARPS=4,
-                      EPI_REGS=ER, num_warps=8)
+                      EPI_REGS=ER, num_warps=warps, SPLIT=SPLIT, MMA_REGS=160)
         sig, cx = signature(fn, types, consts)
         # what a launch specializes on the GPU: 16-byte aligned pointers, sizes and strides
         # divisible by 16 (the row stores vectorize only so)
@@ -441,10 +448,13 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
                  if name.endswith("_ptr") or name in ("KD", "N", "stride_pm", "stride_om")}
         src = GluonASTSource(fn=fn, signature=sig, constexprs=cx, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": 8, "maxnreg": cfg["MAXNREG"]})
+                           options={"num_warps": warps, "maxnreg": cfg["MAXNREG"]})
         assert k.metadata.shared <= 227 * 1024, k.metadata.shared
         ptx = k.asm["ptx"]
         assert "setmaxnreg" in ptx and "wgmma.mma_async" in ptx
+        assert ".reqntid 384" in ptx, "12 warps in all, split or not"
+        if SPLIT:  # the second MMA warp group's own partition, at MMA_REGS
+            assert "setmaxnreg.inc.sync.aligned.u32 \t160;" in ptx
         # the forward's B tile is K-major (w1's rows): wgmma reads it transposed, still n = BN
         assert f"m64n{BN}k16" in ptx, (BN, FWD)
         # the K loop keeps one wgmma group in flight: ptxas must not have to drain them (C7517,
@@ -452,7 +462,7 @@ _WS_SCRIPT = _HELPERS + textwrap.dedent(
         report = ptxas_v(ptx)
         assert "C7517" not in report, (BN, mode, DW, SAVE, report[-2000:])
         spill = [ln for ln in report.splitlines() if "spill" in ln]
-        print(mode, BN, ST, ER, DW, SAVE, dt, CARRY, spill)
+        print(mode, BN, ST, ER, DW, SAVE, dt, CARRY, SPLIT, spill)
         if (BN, BK, ST, GM, ER) == D:  # the default split keeps (nearly) every value in registers
             stores = int(re.search(r"(\\d+) bytes spill stores", report).group(1))
             assert stores <= 32, (mode, DW, SAVE, dt, spill)
@@ -470,7 +480,7 @@ def test_warp_specialized_kernel_compiles_for_sm90(tmp_path):
     out = _compile_in_subprocess(_WS_SCRIPT, tmp_path, shards=2)
     if "no gluon" in out:
         pytest.skip("this Triton has no Gluon")
-    assert _compiled(out, "warp-specialized") == 18, out[-2000:]
+    assert _compiled(out, "warp-specialized") == 22, out[-2000:]
 
 
 _WGRAD_SCRIPT = _HELPERS + textwrap.dedent(

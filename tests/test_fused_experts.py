@@ -454,6 +454,42 @@ def test_ws_carry_knob(monkeypatch):
         fused.layer1_ws_config()
 
 
+def test_ws_split_knob_and_launch(monkeypatch):
+    # MOE_OVERLAP_WS_SPLIT=1 runs the row GEMMs' two MMA warp groups as two partitions (off by
+    # default: unmeasured); the launch then takes one warp group as its default partition, so
+    # 12 warps in all either way
+    assert "SPLIT" not in fused.layer1_ws_config()
+    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "1")
+    assert fused.layer0_ws_config()["SPLIT"] is True
+    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "0")
+    assert fused.dact_ws_config()["SPLIT"] is False
+    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "on")
+    with pytest.raises(ValueError, match="MOE_OVERLAP_WS_SPLIT"):
+        fused.layer1_ws_config()
+    monkeypatch.delenv("MOE_OVERLAP_WS_SPLIT")
+    from moe_overlap.kernels import moe_ws
+
+    if not moe_ws.HAVE_GLUON:
+        pytest.skip("this Triton has no Gluon")
+    seen = {}
+
+    class Kernel:  # what the launcher sees of the Gluon kernel: grid, then the call
+        def __getitem__(self, grid):
+            return lambda *a, **k: seen.update(k, grid=grid)
+
+    monkeypatch.setattr(moe_ws, "_moe_ws_kernel", Kernel())
+    i32 = torch.zeros(8, dtype=torch.int32)
+    lay = type("L", (), {"row_local_expert": i32, "expert_end": i32, "n_tiles": i32})()
+    buf = torch.zeros(8, 8)
+    for split, warps in ((True, 4), (False, 8), (None, 8)):
+        cfg = fused.layer1_ws_config()
+        if split is not None:
+            cfg["SPLIT"] = split
+        moe_ws._launch(None, None, buf, buf, lay, None, i32, 64, 64, cfg, 3, "rows_t")
+        assert seen["num_warps"] == warps and seen["SPLIT"] is bool(split), seen
+        assert seen["EPI_WARPS"] == 4 and seen["MMA_REGS"] == 160 and seen["grid"] == (3,)
+
+
 def test_layer1_ws_gate(monkeypatch):
     # Which layer-1 GEMMs the warp-specialized kernel takes (device checks mocked): the forward
     # with w2 [El, H, F] (K-major), the backward's combine with w1 [El, 2F, H]; not with a bias,

@@ -1160,6 +1160,11 @@ def _ws_config(env: str) -> dict:
         if carry not in ("0", "1"):
             raise ValueError(f"MOE_OVERLAP_WS_CARRY must be 0 or 1, got {carry!r}")
         cfg["CARRY"] = carry == "1"
+    split = os.environ.get("MOE_OVERLAP_WS_SPLIT")
+    if split:
+        if split not in ("0", "1"):
+            raise ValueError(f"MOE_OVERLAP_WS_SPLIT must be 0 or 1, got {split!r}")
+        cfg["SPLIT"] = split == "1"
     # the ring of A and B tiles plus the hand-off tile, 16-bit: a block may have 227 KiB
     smem = 2 * (cfg["STAGES"] * (cfg["BM"] + cfg["BN"]) * cfg["BK"] + cfg["BM"] * cfg["BN"])
     if smem > 227 * 1024:

@@ -114,9 +114,9 @@ def run(name):
         cases[f"layer0+gu {vname}"] = (l0_train, 4 * M * H * F)
         named = [k for k, v in env.items() if v is not None]
         first_var = vname == var[0][0]
-        if any(w in k for k in named for w in ("L0B", "DACT", "CARRY")) or first_var:
+        if any(w in k for k in named for w in ("L0B", "DACT", "CARRY", "WS_SPLIT")) or first_var:
             cases[f"bwd-d {vname}"] = (bwd_d, 2 * M * H * F)
-        if any(w in k for k in named for w in ("L1", "COMBINE", "CARRY")) or first_var:
+        if any(w in k for k in named for w in ("L1", "COMBINE", "CARRY", "WS_SPLIT")) or first_var:
             cases[f"layer1 {vname}"] = (l1, 2 * M * H * F)
             cases[f"bwd-c {vname}"] = (bwd_c, 4 * M * H * F)
     real = layout.row_tok >= 0

@@ -504,6 +504,52 @@ def test_ws_kernels_either_load_path(carry, monkeypatch):
         _check_ws_fwd_bwd(spec, "_launch_l1_ws", f"carry {carry} {spec}", monkeypatch, 2)
 
 
+# MOE_OVERLAP_WS_SPLIT=1: the row GEMMs' two MMA warp groups as two partitions, the second
+# skipping a tile whose last 64 rows are all padding. The same wgmmas on the same tiles, so
+# bitwise equal to the unsplit kernels, through all three row kernels of a forward+backward, and
+# the reference; at 256 rows an expert (deepseek-v3's, where about half the experts end in their
+# last tile's first 64 rows), one hot expert, empty experts, one K step.
+SPLIT_WS = [
+    (2048, 512, 384, 64, 8, "uniform", "1"),
+    (513, 384, 256, 8, 4, "one", "1"),
+    (640, 512, 768, 8, 3, "empty", "0"),
+    (200, 64, 96, 4, 2, "uniform", "1"),
+]
+
+
+@pytest.mark.parametrize("spec", SPLIT_WS, ids=lambda s: f"T{s[0]}-E{s[3]}-K{s[4]}-{s[5]}")
+def test_ws_split_equals_unsplit(spec, monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("warpgroup MMA: Hopper only")
+    monkeypatch.setenv("MOE_OVERLAP_DW_EPILOGUE", spec[6])
+    prob = _ws_problem(spec)
+    device = torch.device("cuda", torch.cuda.current_device())
+    d = prob["ranks"][0]
+    ids = d["ids"].to(device)
+    counts = torch.bincount(ids.flatten().clamp_min(0), minlength=spec[3])
+    if spec[0] == 2048:  # the case this switch exists for: last tiles half empty
+        tail = counts % 128
+        assert ((tail > 0) & (tail <= 64)).sum() >= 8, counts.tolist()
+    names = ("_launch_l0_ws", "_launch_dact_ws", "_launch_l1_ws")
+    calls = {n: _spy(monkeypatch, n) for n in names}
+    got = {}
+    for split in ("0", "1"):
+        monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", split)
+        for c in calls.values():
+            c.clear()
+        lv = leaves_of(prob, 0, device, requires_grad=True)
+        y = call(lv, ids, local_world(device), "swiglu")
+        (y * d["gy"].to(device)).sum().backward()
+        assert all(calls.values()), {n: len(c) for n, c in calls.items()}
+        got[split] = (y.detach(), {k: (None if v is None else v.grad) for k, v in lv.items()})
+    (y0, g0), (y1, g1) = got["0"], got["1"]
+    assert torch.equal(y0, y1), (y0 - y1).abs().max()
+    for k, v in g0.items():
+        assert (v is None) == (g1[k] is None), k
+        assert v is None or torch.equal(v, g1[k]), (k, (v - g1[k]).abs().max())
+    check(prob, [got["1"]], device, backward=True, tag=f"ws split {spec}")
+
+
 @pytest.mark.parametrize("which", ["forward", "combine"])
 def test_layer1_warp_specialized_equals_triton_kernel(which, monkeypatch):
     # Same inputs through both layer-1 GEMMs (then the same reduction): the rows stored at their
