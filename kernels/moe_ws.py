@@ -99,8 +99,11 @@ half. Deadlock-free by construction: warp group 1 waits for step ``i``'s tile be
 releases step ``i``, so it is never a ring ahead of the loads, and both wait the same
 ``c_empty`` phase. Same wgmmas on the same data, so bitwise equal to the unsplit kernel (the
 GPU test checks it). Compiled for sm_90 on the CPU (2026-12-05, Triton 3.9's ptxas: the
-worker at 160 registers like the default partition, 12 warps, no injected wgmma wait, no
-spills but 16 bytes in the backward); **not yet run on a GPU**, hence off by default.
+worker at 160 registers like the default partition, 12 warps, no spills but 16 bytes in the
+backward; ptxas neither injects a wgmma wait, C7517, nor serializes the wgmmas, C7515, which a
+first version's zeroing of the accumulator on the skip path made it do in both warp groups:
+found by review from the SASS, every HGMMA followed by a full wait); **not yet run on a
+GPU**, hence off by default.
 
 Budget (Triton 3.6, sm_90a): 128x256x64, 3 stages: 3 x 48 KiB ring + 64 KiB ``c_smem`` =
 208 KiB of shared memory. An ``m64n256`` wgmma needs >= 154 registers a thread at compile
@@ -547,6 +550,8 @@ if HAVE_GLUON:
                     ic += 1
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 mbarrier.arrive(p.empty.index((ic + STAGES - 1) % STAGES))
+                mbarrier.wait(p.c_empty, (j & 1) ^ 1)
+                p.c_smem.slice(HALF, HALF, dim=0).store(acc.to(p.out_ptr.dtype.element_ty))
             else:
                 for _kk in range(n_k):
                     s = ic % STAGES
@@ -554,10 +559,12 @@ if HAVE_GLUON:
                     mbarrier.arrive(p.empty.index(s))
                     ic += 1
                 # zeros, not whatever c_smem held: the backward's epilogue multiplies these
-                # rows by zeros, and uninitialized shared memory may hold NaN
-                acc = gl.zeros((HALF, p.BN), gl.float32, layout=layout)
-            mbarrier.wait(p.c_empty, (j & 1) ^ 1)
-            p.c_smem.slice(HALF, HALF, dim=0).store(acc.to(p.out_ptr.dtype.element_ty))
+                # rows by zeros, and uninitialized shared memory may hold NaN. Stored from a
+                # tensor of their own: zeroing the accumulator here (a plain register write to
+                # wgmma's operand) made ptxas serialize every wgmma of the kernel (C7515)
+                mbarrier.wait(p.c_empty, (j & 1) ^ 1)
+                zeros = gl.zeros((HALF, p.BN), p.out_ptr.dtype.element_ty, layout=layout)
+                p.c_smem.slice(HALF, HALF, dim=0).store(zeros)
             fence_async_shared()
             mbarrier.arrive(p.c_ready)
             r0 = r0n
