@@ -367,6 +367,29 @@ if HAVE_GLUON:
         _issue(p, ip, n_iter, (kk, ti, r0, nt, le, r0, nt, le))
 
     @gluon.jit
+    def _mma_start(p):
+        """The loading partition's start: its tile and step counts, and the loads of its first
+        ``STAGES - 1`` K steps issued; returns them with the carried issue position."""
+        STAGES: gl.constexpr = p.a_bufs.shape[0]
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        n_m = gl.load(p.n_tiles_ptr)
+        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
+        n_k = gl.cdiv(p.KD, p.BK)
+        n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
+        r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
+        r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
+        zero = pid * 0
+        st = (zero, zero, r0, nt, le, r0n, ntn, len_)
+        for ip in gl.static_range(STAGES - 1):
+            if p.CARRY:
+                _issue(p, ip, n_iter, st)
+                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
+            else:
+                _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
+        return pid, nprog, n_m, n_n, n_k, n_iter, st
+
+    @gluon.jit
     def _mma(p):
         """Default partition: issues the loads STAGES - 1 steps ahead and the wgmmas; hands
         each finished tile to the epilogue through ``c_smem``.
@@ -389,22 +412,8 @@ if HAVE_GLUON:
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
         )
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        n_m = gl.load(p.n_tiles_ptr)
-        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
-        n_k = gl.cdiv(p.KD, p.BK)
-        n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
-        r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
-        r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
+        pid, nprog, n_m, n_n, n_k, n_iter, st = _mma_start(p)
         zero = pid * 0
-        st = (zero, zero, r0, nt, le, r0n, ntn, len_)
-        for ip in gl.static_range(STAGES - 1):
-            if p.CARRY:
-                _issue(p, ip, n_iter, st)
-                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
-            else:
-                _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
         acc = gl.zeros((p.BM, p.BN), gl.float32, layout=layout)
         ic = zero
         for j in range(n_iter // n_k):
@@ -460,22 +469,8 @@ if HAVE_GLUON:
         layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[p.MMA_WARPS, 1], instr_shape=[16, p.BN, 16]
         )
-        pid = gl.program_id(0)
-        nprog = gl.num_programs(0)
-        n_m = gl.load(p.n_tiles_ptr)
-        n_n = gl.cdiv(p.N, _cols_per_tile(p.BN, p.FWD))
-        n_k = gl.cdiv(p.KD, p.BK)
-        n_iter = gl.cdiv(gl.maximum(n_m * n_n - pid, 0), nprog) * n_k
-        r0, nt, le = _issue_tile(p, 0, pid, nprog, n_m, n_n)
-        r0n, ntn, len_ = _issue_tile(p, 1, pid, nprog, n_m, n_n)
+        pid, nprog, n_m, n_n, n_k, n_iter, st = _mma_start(p)
         zero = pid * 0
-        st = (zero, zero, r0, nt, le, r0n, ntn, len_)
-        for ip in gl.static_range(STAGES - 1):
-            if p.CARRY:
-                _issue(p, ip, n_iter, st)
-                st = _next_issue(p, st, pid, nprog, n_m, n_n, n_k)
-            else:
-                _issue_at(p, ip, n_iter, pid, nprog, n_m, n_n, n_k)
         acc = gl.zeros((HALF, p.BN), gl.float32, layout=layout)
         ic = zero
         for j in range(n_iter // n_k):
