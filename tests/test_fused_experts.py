@@ -441,32 +441,26 @@ def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
     assert not fused._ws_common_ok(a, w1, lay, world)
 
 
-def test_ws_carry_knob(monkeypatch):
-    # MOE_OVERLAP_WS_CARRY pins the load-position path of every warp-specialized kernel (A/B
-    # runs); unset, each mode keeps its default (the config has no CARRY key)
-    assert "CARRY" not in fused.layer1_ws_config()
-    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "1")
-    assert fused.dact_ws_config()["CARRY"] is True
-    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "0")
-    assert fused.layer0_ws_config()["CARRY"] is False
-    monkeypatch.setenv("MOE_OVERLAP_WS_CARRY", "yes")
-    with pytest.raises(ValueError, match="MOE_OVERLAP_WS_CARRY"):
+@pytest.mark.parametrize(
+    "var, key", [("MOE_OVERLAP_WS_CARRY", "CARRY"), ("MOE_OVERLAP_WS_SPLIT", "SPLIT")]
+)
+def test_ws_switches(var, key, monkeypatch):
+    # A/B switches of every warp-specialized kernel: CARRY pins the load-position path, SPLIT
+    # runs the row GEMMs' two MMA warp groups as two partitions (off by default: unmeasured);
+    # unset, each mode keeps its default (the config has no such key)
+    assert key not in fused.layer1_ws_config()
+    monkeypatch.setenv(var, "1")
+    assert fused.dact_ws_config()[key] is True
+    monkeypatch.setenv(var, "0")
+    assert fused.layer0_ws_config()[key] is False
+    monkeypatch.setenv(var, "yes")
+    with pytest.raises(ValueError, match=var):
         fused.layer1_ws_config()
 
 
-def test_ws_split_knob_and_launch(monkeypatch):
-    # MOE_OVERLAP_WS_SPLIT=1 runs the row GEMMs' two MMA warp groups as two partitions (off by
-    # default: unmeasured); the launch then takes one warp group as its default partition, so
-    # 12 warps in all either way
-    assert "SPLIT" not in fused.layer1_ws_config()
-    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "1")
-    assert fused.layer0_ws_config()["SPLIT"] is True
-    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "0")
-    assert fused.dact_ws_config()["SPLIT"] is False
-    monkeypatch.setenv("MOE_OVERLAP_WS_SPLIT", "on")
-    with pytest.raises(ValueError, match="MOE_OVERLAP_WS_SPLIT"):
-        fused.layer1_ws_config()
-    monkeypatch.delenv("MOE_OVERLAP_WS_SPLIT")
+def test_ws_split_launch(monkeypatch):
+    # with SPLIT the launch takes one warp group as its default partition (the other MMA warp
+    # group and the epilogue are workers): 12 warps in all either way
     from moe_overlap.kernels import moe_ws
 
     if not moe_ws.HAVE_GLUON:
