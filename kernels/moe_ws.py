@@ -102,8 +102,14 @@ GPU test checks it). Compiled for sm_90 on the CPU (2026-12-05, Triton 3.9's ptx
 worker at 160 registers like the default partition, 12 warps, no spills but 16 bytes in the
 backward; ptxas neither injects a wgmma wait, C7517, nor serializes the wgmmas, C7515, which a
 first version's zeroing of the accumulator on the skip path made it do in both warp groups:
-found by review from the SASS, every HGMMA followed by a full wait); **not yet run on a
-GPU**, hence off by default.
+found by review from the SASS, every HGMMA followed by a full wait). **Measured slower, so
+off by default**: on an H100 (2026-12-06, ``tests/gpu/ab_layers.py``, three rounds, bitwise
+equal to the unsplit kernels) deepseek-v3's layer 0 took 10.21 against 8.57 ms, its training
+forward 9.69 / 8.77, the backward's dispatch 5.11 / 4.75, the combine 8.70 / 8.16, layer 1 4.51
+/ 4.50; qwen3-30b-a3b and mixtral-8x7b lost 0-10% (mixtral's layer 0 gained 1%). The ~10% of
+wgmmas it skips do not pay for what the split adds to every K step: warp group 0 issues the
+next stage's loads only after an mbarrier arrival from the other partition, where the unsplit
+kernel's own ``warpgroup_mma_wait`` sufficed (the likely cost, not measured apart).
 
 Budget (Triton 3.6, sm_90a): 128x256x64, 3 stages: 3 x 48 KiB ring + 64 KiB ``c_smem`` =
 208 KiB of shared memory. An ``m64n256`` wgmma needs >= 154 registers a thread at compile

@@ -446,7 +446,7 @@ def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):
 )
 def test_ws_switches(var, key, monkeypatch):
     # A/B switches of every warp-specialized kernel: CARRY pins the load-position path, SPLIT
-    # runs the row GEMMs' two MMA warp groups as two partitions (off by default: unmeasured);
+    # runs the row GEMMs' two MMA warp groups as two partitions (off by default: measured slower);
     # unset, each mode keeps its default (the config has no such key)
     assert key not in fused.layer1_ws_config()
     monkeypatch.setenv(var, "1")

@@ -2,14 +2,16 @@
 
 python tests/gpu/ab_layers.py [preset ...]      # default qwen3-30b-a3b olmoe
 AB="NAME=VAR=VALUE[+VAR=VALUE] ..." (default: the switches of the current experiment) picks the
-variants. Per preset it times, in interleaved rounds (``triton.testing.do_bench`` medians, the
-median over rounds), ``torch._grouped_mm`` on layer 0's GEMM, the backward's dispatch GEMM,
-layer 1's GEMM and the backward's combine GEMM, then layer 0 (inference and with the saved
-pre-activations) under every variant, and the backward's dispatch GEMM, layer 1 (GEMM and
-reduction) and the backward's combine under the first variant and those whose switches concern
-them, and d w1 in ``grouped_mm`` against ``kernels/moe_wgrad.py`` (one program an SM, and one
-a tile at a config that fits twice, and the Gluon kernel's WGRAD mode); it checks each
-variant's output against the first one's.
+variants; AB_WGRAD=0 leaves out the weight-gradient cases (their float32 d w1 alone is 28 GiB at
+deepseek-v3, which does not fit an 80 GB H100 beside the weights). Per preset it times, in
+interleaved rounds (``triton.testing.do_bench`` medians, the median over rounds),
+``torch._grouped_mm`` on layer 0's GEMM, the backward's dispatch GEMM, layer 1's GEMM and the
+backward's combine GEMM, then layer 0 (inference and with the saved pre-activations) under every
+variant, and the backward's dispatch GEMM, layer 1 (GEMM and reduction) and the backward's
+combine under the first variant and those whose switches concern them, and d w1 in
+``grouped_mm`` against ``kernels/moe_wgrad.py`` (one program an SM, and one a tile at a config
+that fits twice, and the Gluon kernel's WGRAD mode); it checks each variant's output against the
+first one's.
 """
 
 import os
@@ -30,6 +32,7 @@ AB = os.environ.get("AB", "").split() or [
     "staged=MOE_OVERLAP_L0_STAGE=1",
 ]
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
+WGRAD = os.environ.get("AB_WGRAD", "1") != "0"
 CPU = os.environ.get("TRITON_INTERPRET") == "1"  # a logic check of this script, tiny and fp16
 
 
@@ -75,12 +78,13 @@ def run(name):
     }
     x_rows = fused._gather_rows(layout, x, ws.recv)
     wkeys = ("MOE_OVERLAP_WGRAD", "MOE_OVERLAP_WGRAD_GRID", "MOE_OVERLAP_WGRAD_CONFIG")
-    for wname, vals in (
+    wgrad_variants = (
         ("default", (None, None, None)),  # grouped_mm over the padded ranges
         ("kernel", ("kernel", None, None)),
         ("kernel-tiles", ("kernel", "tiles", "128,128,64,8,2")),
         ("ws", ("ws", None, None)),
-    ):
+    )
+    for wname, vals in wgrad_variants if WGRAD else ():
 
         def wgrad(vals=vals):
             _set(dict(zip(wkeys, vals)))
