@@ -177,3 +177,36 @@ def test_tune_on_emulated_ranks_keeps_its_switches_per_thread(monkeypatch):
         assert "MOE_OVERLAP_DACT_WS" not in os.environ and "MOE_OVERLAP_L0_WS" not in os.environ
         assert outs[0]["ms"] == outs[1]["ms"] and outs[0]["l0"] == outs[1]["l0"]
     assert tuning.getenv("MOE_OVERLAP_DACT_WS") is None
+
+
+def test_checked_in_table_is_consistent(monkeypatch):
+    """The shipped ``moe_overlap/bench/configs.json``: one entry per (device, preset, dtype,
+    world size), each entry's shape its preset's, a joint config the lookup accepts (one block
+    M for both layers, valid block sizes), every preset pinned on the H100 and the H200's
+    entries found under the H200's name."""
+    from moe_overlap.bench.presets import MODEL_PRESETS, get_moe_shape, load_configs
+
+    monkeypatch.delenv("MOE_OVERLAP_CONFIGS", raising=False)  # the shipped table, not a copy
+    entries = [e for e in load_configs()["entries"] if e.get("op") == "moe"]
+    keys = [(e["device"], e["preset"], e["dtype"], e["world_size"]) for e in entries]
+    assert len(keys) == len(set(keys)), keys
+    for e in entries:
+        s, cfg = get_moe_shape(e["preset"]), e["config"]
+        want = {"hidden": s.hidden, "ffn": s.ffn, "experts": s.experts, "topk": s.topk}
+        assert {k: e["shape"][k] for k in want} == want, e["preset"]
+        assert cfg["l0"]["BM"] == cfg["l1"]["BM"], e["preset"]
+        for part in ("l0", "l1", "l0b"):
+            if part in cfg:
+                c = cfg[part]
+                assert {"BM", "BN", "BK", "num_warps", "num_stages"} <= set(c), (e["preset"], c)
+                assert all(c[k] in (16, 32, 64, 128, 256) for k in ("BM", "BN", "BK")), c
+                assert c["num_warps"] in (4, 8) and 2 <= c["num_stages"] <= 5, c
+    h100 = {p for d, p, dt, w in keys if d == "NVIDIA H100 80GB HBM3" and dt == "bf16"}
+    assert h100 == set(MODEL_PRESETS), sorted(set(MODEL_PRESETS) - h100)
+    tuning._table_entries.cache_clear()
+    try:
+        for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
+            got = {e["preset"] for e in tuning._table_entries(d, "bf16")}
+            assert got == {p for dd, p, dt, w in keys if dd == d and dt == "bf16"}, d
+    finally:
+        tuning._table_entries.cache_clear()
