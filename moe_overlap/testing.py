@@ -196,3 +196,14 @@ def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     a = actual.detach().double().cpu()
     e = expected.detach().double().cpu()
     return ((a - e).norm() / (e.norm() + 1e-30)).item()
+
+
+def free_port() -> int:
+    """A localhost TCP port nothing listens on now, for a process group's store. Ports derived
+    from the pid could meet one a leftover process still serves, and a rank that joins a
+    stranger's store waits forever."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

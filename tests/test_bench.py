@@ -24,6 +24,7 @@ from moe_overlap.bench import presets as P
 from moe_overlap.bench import report as R
 from moe_overlap.bench import trace as Tr
 from moe_overlap.bench.__main__ import build_parser, main
+from moe_overlap.testing import free_port
 
 try:
     from moe_overlap import reference
@@ -699,16 +700,6 @@ faulthandler.dump_traceback_later(HANG_S + (__name__ != "__mp_main__") * min(20,
 TIMEOUT = datetime.timedelta(seconds=120)"""
 
 
-def _free_port() -> str:
-    """A port nothing listens on now. Ports derived from the pid could meet one a leftover
-    process still serves, and a rank that joins a stranger's store waits forever."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _run_child(argv: list, marker: str, env: dict) -> None:
     """Runs ``python *argv PORT`` and asserts it printed ``marker``. A child that hung (its
     stack dump says "Timeout (...)!") runs once more, the first stacks kept in a warning: the hangs
@@ -717,7 +708,7 @@ def _run_child(argv: list, marker: str, env: dict) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", **env)
     for attempt in (1, 2):
         try:
-            r = subprocess.run([sys.executable, *argv, _free_port()], capture_output=True,
+            r = subprocess.run([sys.executable, *argv, str(free_port())], capture_output=True,
                                text=True, timeout=300, env=env)  # fmt: skip
         except subprocess.TimeoutExpired as e:  # the stack dump itself did not come
             err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr

@@ -471,15 +471,13 @@ def test_init_world_refuses_silent_single_rank(monkeypatch):
 
 
 def test_init_world_on_a_one_rank_gloo_group(monkeypatch):
-    import socket
-
     import torch.distributed as dist
 
     if not dist.is_available() or torch.cuda.is_available():
         pytest.skip("checks the CPU-only branch of init_world")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from moe_overlap.testing import free_port
+
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         w = init_world()

@@ -25,7 +25,6 @@ is not something this library relies on), over a one-process NCCL group made her
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 
 import pytest
@@ -36,7 +35,7 @@ import triton.language as tl
 from moe_overlap import CommTimeoutError, MoEConfig, MoELayer, init_world, local_world
 from moe_overlap.kernels import nvshmem_device as nvd
 from moe_overlap.kernels.signals import peer_ptr
-from moe_overlap.testing import assert_close
+from moe_overlap.testing import assert_close, free_port
 from moe_overlap.toy import push_allreduce
 from moe_overlap.world import interpreted, launch_lock
 from moe_overlap.world import nvshmem as nvw
@@ -52,12 +51,6 @@ pytestmark = [
 
 STAGE_TEST = 8
 BUDGET_NS = 50_000_000  # 50 ms: the timeout test's wait budget
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _input(call, shape, dtype=torch.float32):
@@ -76,7 +69,7 @@ def nv_world():
     keys = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "TORCH_SYMMMEM")
     saved = {k: os.environ.get(k) for k in keys}
     os.environ.pop("TORCH_SYMMMEM", None)
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
     os.environ.update(WORLD_SIZE="1", RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))

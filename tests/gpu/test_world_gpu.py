@@ -17,7 +17,6 @@ Run with ``MOE_OVERLAP_COMPILED=1 python -m pytest -m "gpu or multigpu" tests``.
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 
 import pytest
@@ -30,7 +29,7 @@ from moe_overlap.errors import ERR_FIELDS
 from moe_overlap.kernels import signals as sig
 from moe_overlap.kernels.signals import peer_ptr
 from moe_overlap.kernels.toy_allreduce import launch_push_allreduce
-from moe_overlap.testing import assert_close, spawn
+from moe_overlap.testing import assert_close, free_port, spawn
 from moe_overlap.toy import push_allreduce
 from moe_overlap.world import ROLE_CONSUMER, launch_lock
 from moe_overlap.world.base import READY_SLOTS
@@ -109,12 +108,6 @@ def consumer_only(world, x, budget):
             world.use_timer,
         )
     return out
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------ emulated basics
@@ -382,7 +375,7 @@ def symm_world():
     if dist.is_initialized():
         pytest.skip("torch.distributed is already initialized in this process")
     saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(free_port()))
     os.environ.update(WORLD_SIZE="1", RANK="0")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
