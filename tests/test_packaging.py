@@ -152,7 +152,7 @@ def test_readme_has_two_quick_start_commands_and_ci_runs_the_test_one():
     for cmd in cmds:
         assert "venv .venv" in cmd and "pip install torch==" in cmd
         assert cmd.index("pip install torch==") < cmd.index("pip install -e")
-    assert tests.endswith("-m pytest -q tests")
+    assert tests.endswith("-m pytest -q -n 2 --dist loadgroup tests")
     ci = (ROOT / ".ci" / "run").read_text()
     assert tests in ci.splitlines() or any(line.startswith(tests + " ") for line in ci.splitlines())
     assert os.access(ROOT / ".ci" / "run", os.X_OK), ".ci/run must be executable"

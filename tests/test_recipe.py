@@ -28,6 +28,10 @@ from moe_overlap.recipe import (
 )
 from moe_overlap.testing import rel_error, spawn
 
+# Under xdist (the README's `-n 2 --dist loadgroup`) the module's tests stay on one worker, so
+# each shared run below is trained once, not once per worker.
+pytestmark = pytest.mark.xdist_group("recipe")
+
 TINY = ModelConfig(
     vocab_size=16,
     d_model=16,
