@@ -69,6 +69,15 @@ def test_console_scripts_resolve():
         assert func in defs, f"{name}: {module} has no top-level {func}"
 
 
+def test_license_is_an_spdx_expression_with_its_file():
+    # PEP 639: a string, not the table setuptools deprecates, and the file it names ships.
+    proj = pyproject()["project"]
+    assert proj["license"] == "Apache-2.0"
+    assert all((ROOT / f).is_file() for f in proj["license-files"])
+    req = pyproject()["build-system"]["requires"]
+    assert "setuptools>=77" in req, f"SPDX license strings need setuptools >= 77: {req}"
+
+
 def test_extras_declared():
     opt = pyproject()["project"]["optional-dependencies"]
     for extra in ("test", "bench", "deepspeed", "transformers", "nvshmem-cu12", "nvshmem-cu13"):
