@@ -70,11 +70,12 @@ def test_console_scripts_resolve():
 
 
 def test_license_is_an_spdx_expression_with_its_file():
-    # PEP 639: a string, not the table setuptools deprecates, and the file it names ships.
-    proj = pyproject()["project"]
+    # PEP 639: a string, not the table setuptools deprecates, naming files that exist.
+    data = pyproject()
+    proj = data["project"]
     assert proj["license"] == "Apache-2.0"
     assert all((ROOT / f).is_file() for f in proj["license-files"])
-    req = pyproject()["build-system"]["requires"]
+    req = data["build-system"]["requires"]
     assert "setuptools>=77" in req, f"SPDX license strings need setuptools >= 77: {req}"
 
 
