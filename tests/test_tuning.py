@@ -182,8 +182,8 @@ def test_tune_on_emulated_ranks_keeps_its_switches_per_thread(monkeypatch):
 def test_checked_in_table_is_consistent(monkeypatch):
     """The shipped ``moe_overlap/bench/configs.json``: one entry per (device, preset, dtype,
     world size), each entry's shape its preset's, a joint config the lookup accepts (one block
-    M for both layers, valid block sizes), every preset pinned on the H100 and the H200's
-    entries found under the H200's name."""
+    M for both layers, valid block sizes), every preset pinned on the H100 and on the H200,
+    and each card's entries found under its own name."""
     from moe_overlap.bench.presets import MODEL_PRESETS, get_moe_shape, load_configs
 
     monkeypatch.delenv("MOE_OVERLAP_CONFIGS", raising=False)  # the shipped table, not a copy
@@ -201,8 +201,9 @@ def test_checked_in_table_is_consistent(monkeypatch):
                 assert {"BM", "BN", "BK", "num_warps", "num_stages"} <= set(c), (e["preset"], c)
                 assert all(c[k] in (16, 32, 64, 128, 256) for k in ("BM", "BN", "BK")), c
                 assert c["num_warps"] in (4, 8) and 2 <= c["num_stages"] <= 5, c
-    h100 = {p for d, p, dt, w in keys if d == "NVIDIA H100 80GB HBM3" and dt == "bf16"}
-    assert h100 == set(MODEL_PRESETS), sorted(set(MODEL_PRESETS) - h100)
+    for card in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        pinned = {p for d, p, dt, w in keys if d == card and dt == "bf16"}
+        assert pinned == set(MODEL_PRESETS), (card, sorted(set(MODEL_PRESETS) - pinned))
     tuning._table_entries.cache_clear()
     try:
         for d in ("NVIDIA H200", "NVIDIA H100 80GB HBM3"):
