@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -552,6 +553,11 @@ def test_cli_layer0_json_png_md(tmp_path, capsys):
     names = {c["name"]: c for c in run["cases"]}
     for b in ("grouped_mm", "unfused", "torchtitan", "loop"):
         assert names[b]["status"] == "ok" and names[b]["median_ms"] > 0
+        # every timed call, in the order timed: the stats are theirs
+        samples = names[b]["samples_ms"]
+        assert len(samples) == names[b]["n"]
+        assert min(samples) == pytest.approx(names[b]["min_ms"], abs=1e-4)
+        assert statistics.median(samples) == pytest.approx(names[b]["median_ms"], abs=1e-4)
     assert names["unfused"]["err"] < 1e-5
     # the interpreter runs the fused kernels: a crash or a wrong output must fail here
     assert names["fused"]["status"] == "ok", names["fused"]
@@ -987,8 +993,107 @@ def test_measure_interleaved_rotates_splits_and_drops_failures():
     assert not f and len(t["one"]["ms"]) == 1 and one.calls == [0]
 
 
+def test_measure_interleaved_call_mode_takes_the_cases_in_turn():
+    """``interleave="call"``: each round's warm-up and timed calls go case by case in turn (a b
+    a b ...), the order rotating between rounds; counts and input sets as in block mode; a case
+    that raises is dropped and the others keep their calls."""
+    log = []
+
+    class FakeCase:
+        def __init__(self, name, fail_at=None):
+            self.name, self.fail_at, self.calls = name, fail_at, []
+
+        def step(self, i):
+            self.calls.append(i)
+            log.append(self.name)
+            if self.fail_at is not None and len(self.calls) > self.fail_at:
+                raise RuntimeError("boom")
+
+    world = type("W", (), {"world_size": 1})()
+    a, b = FakeCase("a"), FakeCase("b")
+    t, f = Hn.measure_interleaved(
+        [a, b], torch.device("cpu"), world, ("n", 2), ("n", 6), rounds=2, interleave="call"
+    )
+    assert not f and len(t["a"]["ms"]) == len(t["b"]["ms"]) == 6
+    assert a.calls == b.calls == list(range(8)), "warm-up + timed calls rotate the input sets"
+    # round 0: 1 warm-up and 3 timed calls each, a first; round 1 the same, b first
+    assert "".join(log) == "ab" + "ababab" + "ba" + "bababa", "".join(log)
+    log.clear()
+    a, b, c = FakeCase("a"), FakeCase("b"), FakeCase("c", fail_at=2)
+    t, f = Hn.measure_interleaved(
+        [a, b, c], torch.device("cpu"), world, ("n", 0), ("n", 6), rounds=2, interleave="call"
+    )
+    assert set(t) == {"a", "b"} and f == {"c": "RuntimeError: boom"}
+    assert len(t["a"]["ms"]) == len(t["b"]["ms"]) == 6
+    # round 0: c raises on its 3rd call and is dropped; round 1 (order b c a) skips it
+    assert "".join(log) == "abcabcabc" + "bababa", "".join(log)
+    with pytest.raises(ValueError, match="interleave"):
+        Hn.measure_interleaved([a], torch.device("cpu"), world, ("n", 0), ("n", 1), 1, "row")
+
+
+def test_cli_call_interleave_end_to_end(tmp_path):
+    """``--interleave call`` through the CLI: every case timed and checked, the mode in the
+    JSON."""
+    j = tmp_path / "r.json"
+    rc = main(
+        [
+            "layer1",
+            "--preset",
+            "tiny",
+            *FAST,
+            "--rounds",
+            "2",
+            "--interleave",
+            "call",
+            "--baselines",
+            "grouped_mm,unfused",
+            "--json",
+            str(j),
+            "--no-bounds",
+        ]
+    )
+    assert rc == 0
+    run = json.loads(j.read_text())["runs"][0]
+    assert run["interleave"] == "call"
+    names = {c["name"]: c for c in run["cases"]}
+    assert set(names) == {"grouped_mm", "unfused", "fused"}
+    assert all(c["status"] == "ok" and c["n"] == 1 for c in names.values()), names
+    assert names["fused"]["check"] == "ok"
+
+
+def test_call_mode_drops_the_whole_round_on_a_lazily_raised_timeout():
+    """Call-interleaved, a timed-out wait surfaces only after the round: every case of that
+    round is dropped, each with the error and a note that it could be any of them."""
+
+    class World:
+        world_size, pending = 1, False
+
+        def check(self):
+            if self.pending:
+                self.pending = False
+                raise RuntimeError("CommTimeoutError: rank 0 ...")
+
+    world = World()
+
+    class Case:
+        def __init__(self, name, times_out=False):
+            self.name, self.times_out = name, times_out
+
+        def step(self, i):
+            if self.times_out and i == 2:
+                world.pending = True
+
+    cases = [Case("a", times_out=True), Case("b")]
+    t, f = Hn.measure_interleaved(
+        cases, torch.device("cpu"), world, ("n", 0), ("n", 4), 1, interleave="call"
+    )
+    assert not t and set(f) == {"a", "b"}
+    assert all("CommTimeoutError" in v and "any of its cases" in v for v in f.values()), f
+
+
+@pytest.mark.parametrize("interleave", ["block", "call"])
 @pytest.mark.parametrize("when", ["estimate", "warm-up", "timed"])
-def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when):
+def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when, interleave):
     """One rank's failure (an out-of-memory on its uneven share, a timeout only it saw) must
     drop the case on every rank together: a rank that skipped the case's collectives while its
     peers ran them left them waiting until the barrier timeout, and every result was lost."""
@@ -1011,7 +1116,9 @@ def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when):
 
     def fn(world):
         cases = [FakeCase("a", world), FakeCase("b", world, call), FakeCase("c", world)]
-        return Hn.measure_interleaved(cases, torch.device("cpu"), world, warm, ("n", 6), 3)
+        return Hn.measure_interleaved(
+            cases, torch.device("cpu"), world, warm, ("n", 6), 3, interleave
+        )
 
     res = spawn(2, fn, timeout=60)
     for rank, (timings, failures) in enumerate(res):

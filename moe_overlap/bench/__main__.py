@@ -101,6 +101,13 @@ def _add_common(p: argparse.ArgumentParser, dense: bool = False, multi: bool = F
         default=5,
         help="timing rounds: every case gets its share of the calls in each, order rotating",
     )
+    r.add_argument(
+        "--interleave",
+        choices=("block", "call"),
+        default="block",
+        help="block: each case's calls of a round back to back; call: the cases' calls in turn"
+        " (A B C A B C), so all see the same clock where the GPU runs at its power limit",
+    )
     r.add_argument("--sets", type=int, default=None, help="rotating input sets (default: auto)")
     r.add_argument(
         "--baselines",
@@ -335,6 +342,7 @@ def _specs(args, device, dtype, world_size):
                     warmup=parse_amount(args.warmup),
                     rep=parse_amount(args.rep),
                     rounds=args.rounds,
+                    interleave=args.interleave,
                     n_sets=args.sets,
                     check=not args.no_check,
                     bounds=not args.no_bounds,

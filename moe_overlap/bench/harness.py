@@ -130,6 +130,7 @@ class RunSpec:
     warmup: tuple = ("ms", 100.0)
     rep: tuple = ("ms", 500.0)
     rounds: int = 5  # timing rounds, every case in each (see measure_interleaved)
+    interleave: str = "block"  # "block" or "call" (see measure_interleaved)
     n_sets: int | None = None
     check: bool = True
     trace: bool = False
@@ -491,15 +492,33 @@ def _timed_calls(step, device, first: int, n: int) -> dict:
     return {"ms": ms}
 
 
-def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[dict, dict]:
+def measure_interleaved(
+    cases, device, world, warm, rep, rounds: int, interleave: str = "block"
+) -> tuple[dict, dict]:
     """Time every case of ``cases`` (objects with ``name`` and ``step``) in ``rounds`` rounds:
     each round gives every case its share of the warm-up and of the timed calls, the case order
     rotating from round to round. A GPU's clock follows its temperature and power draw, so
     cases timed one after another in a fixed order are not timed under the same conditions
     (measured on the H200, 2026-12-03: the same fused kernel took 11.0 ms in a short profiled
     burst and 12.7 ms after a long run of other GEMMs); interleaving spreads that drift over
-    all cases alike. Returns ``(timings, failures)``: ``{name: {"ms": [...], "events": [...]}}``
-    and ``{name: "Type: message"}`` for cases whose timing raised (dropped from later rounds)."""
+    all cases alike.
+
+    ``interleave="block"`` (the default) times each case's share of a round as one block of
+    back-to-back calls. ``"call"`` runs the round's calls case by case in turn (A B C A B C
+    ...), with no synchronization between them, so every case sees the same clock within a
+    call of the others. That matters where a GEMM holds the card at its power limit: there the
+    SM clock swings between ~1.15 and ~1.6 GHz over tenths of a second with what ran before, and
+    a block of 100 ms catches one level or the other whole (H100, 2026-12-07, mixtral-8x22b
+    layer 0: blocks of six calls at 18 or at 22 ms for ``grouped_mm`` and the fused kernel
+    alike, the SM clock 1.42-1.58 GHz in the fast blocks and 1.16-1.25 in the slow ones), so a
+    median over five blocks moves by whole blocks. Call by call, a case's first kernel waits
+    for the host only where the case before it synchronized; and a wait that timed out is
+    raised only after the round, so it drops all of the round's cases.
+
+    Returns ``(timings, failures)``: ``{name: {"ms": [...], "events": [...]}}`` and ``{name:
+    "Type: message"}`` for cases whose timing raised (dropped from later rounds)."""
+    if interleave not in ("block", "call"):
+        raise ValueError(f"interleave must be 'block' or 'call', got {interleave!r}")
     rounds = max(1, int(rounds))
     plan, failures = {}, {}
     for c in cases:
@@ -520,6 +539,11 @@ def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[d
     calls = dict.fromkeys(plan, 0)  # input sets keep rotating across rounds
     for r in range(rounds):
         k = r % len(live) if live else 0
+        if interleave == "call":
+            _call_round(
+                live[k:] + live[:k], plan, calls, timings, failures, device, world, r, rounds
+            )
+            continue
         for c in live[k:] + live[:k]:
             if c.name in failures:  # agreed by every rank, so all skip it alike
                 continue
@@ -557,6 +581,76 @@ def measure_interleaved(cases, device, world, warm, rep, rounds: int) -> tuple[d
         if not t["events"]:
             t.pop("events")
     return timings, failures
+
+
+def _call_round(order, plan, calls, timings, failures, device, world, r, rounds) -> None:
+    """One round of :func:`measure_interleaved` with ``interleave="call"``: warm-up and timed
+    calls case by case in turn. A case that raises is dropped (on every rank alike: each rank
+    agrees after the warm-up and after the timed calls, as the block mode does per case)."""
+    share = {}
+    for c in order:
+        if c.name in failures:
+            continue
+        n_warm, n_rep = (n // rounds + (r < n % rounds) for n in plan[c.name])
+        if n_rep:
+            share[c.name] = (n_warm, n_rep)
+    live = [c for c in order if c.name in share]
+    errs: dict = {}
+
+    def one(c, ev=None):
+        try:
+            if ev is not None:
+                ev[0].record()
+            c.step(calls[c.name])
+            if ev is not None:
+                ev[1].record()
+            calls[c.name] += 1
+        except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
+            errs[c.name] = f"{type(e).__name__}: {e}"
+
+    for j in range(max((w for w, _ in share.values()), default=0)):
+        for c in live:
+            if j < share[c.name][0] and c.name not in errs:
+                one(c)
+    try:
+        _sync(device)
+        _check(world)
+    except Exception as e:  # noqa: BLE001 - which case broke is not known: all of them
+        errs.update({c.name: f"{type(e).__name__}: {e}" for c in live if c.name not in errs})
+    got = {c.name: [] for c in live}
+    for j in range(max(n for _, n in share.values()) if share else 0):
+        for c in live:
+            if j < share[c.name][1] and c.name not in errs:
+                if device.type == "cuda":
+                    ev = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    one(c, ev)
+                    got[c.name].append(ev)
+                else:
+                    t = time.perf_counter()
+                    one(c)
+                    got[c.name].append((time.perf_counter() - t) * 1e3)
+    try:
+        _sync(device)
+        _check(world)
+    except Exception as e:  # noqa: BLE001
+        # A wait that timed out is raised here, after the whole round: which case's kernels
+        # gave up is not known, so the round's cases are dropped together.
+        why = f"{type(e).__name__}: {e} (raised after a call-interleaved round: any of its cases)"
+        errs.update({c.name: why for c in live if c.name not in errs})
+    for c in live:  # one collective per case, on every rank, whatever failed where
+        err, _ = _agree(world, errs.get(c.name))
+        if err is not None:
+            failures[c.name] = err
+            continue
+        vals = got[c.name]
+        if device.type == "cuda":
+            timings[c.name]["ms"] += [a.elapsed_time(b) for a, b in vals]
+            timings[c.name]["events"] += vals
+        else:
+            timings[c.name]["ms"] += vals
 
 
 def stats(ms: list) -> dict:
@@ -739,7 +833,7 @@ def run_rank(world, spec: RunSpec) -> dict:
         elif status[c.name]["status"] == "ok":
             status[c.name].update(status="failed", reason="failed on another rank")
     timings, failures = measure_interleaved(
-        timed, spec.device, world, spec.warmup, spec.rep, spec.rounds
+        timed, spec.device, world, spec.warmup, spec.rep, spec.rounds, spec.interleave
     )
     for name, why in failures.items():
         status[name].update(status="failed", reason=f"timing: {why}")
@@ -1006,6 +1100,9 @@ def metrics(spec: RunSpec, merged: dict) -> dict:
                 row[k] = st[k]
         if name in merged["times"]:
             row.update(stats(merged["times"][name]))
+            # in the order timed (round by round): under a GPU's power cap the spread is the
+            # clock moving, which the median alone hides
+            row["samples_ms"] = [round(v, 4) for v in merged["times"][name]]
             med[name] = row["median_ms"]
             flops = st.get("flops_total", 0.0)
             row["flops"] = flops
@@ -1112,6 +1209,7 @@ def run(spec: RunSpec, world=None) -> dict:
         "warmup": list(spec.warmup),
         "rep": list(spec.rep),
         "rounds": spec.rounds,
+        "interleave": spec.interleave,
         "wall_s": None,
     }
     out.update(metrics(spec, merged))

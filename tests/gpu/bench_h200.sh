@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: re-tune the pinned MoE configs and write the benchmark tables (one H200).
 # Usage there: TUNE="mixtral-8x7b" PRESETS="mixtral-8x7b qwen3-30b-a3b" bash tests/gpu/bench_h200.sh
+# (BENCH_ARGS="--interleave call" goes to every layer table; OPS="layer0 layer1" by default.)
 # Everything lands in $OUT/bench.tgz (the device tool returns at most 8 files): tune.log, the
 # updated configs.json, bench.md (the CLI's markdown tables), one JSON per run, trace files.
 set -u
@@ -28,9 +29,11 @@ for p in ${TUNE:-}; do
   step 200 "tune_$p" python3 -m moe_overlap.bench tune --preset "$p" --op moe
 done
 B="python3 -m moe_overlap.bench"
-for p in ${PRESETS:-mixtral-8x7b}; do
+for p in ${PRESETS-mixtral-8x7b}; do  # unset: mixtral-8x7b; PRESETS="": none
   for op in ${OPS:-layer0 layer1}; do
-    step 150 "${op}_$p" $B "$op" --preset "$p" --json "$R/${op}_$p.json" --md "$R/bench.md"
+    # shellcheck disable=SC2086
+    step 150 "${op}_$p" $B "$op" --preset "$p" ${BENCH_ARGS:-} --json "$R/${op}_$p.json" \
+      --md "$R/bench.md"
   done
   if [ "${BACKWARD:-1}" = 1 ]; then
     step 200 "moe_bwd_$p" $B moe --preset "$p" --backward --json "$R/moe_bwd_$p.json" \
