@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -405,6 +406,23 @@ def test_ws_config_checks_shared_memory_and_forward_width(monkeypatch):
         fused.layer0_ws_config()
     monkeypatch.setenv("MOE_OVERLAP_DACT_WS_CONFIG", "64,64,4,8,184")  # fine for the backward
     assert fused.dact_ws_config()["BN"] == 64
+
+
+def test_ws_config_takes_this_threads_overrides(monkeypatch):
+    # tuning._env sets a thread's switches without touching os.environ (emulated ranks are
+    # threads): the warp-specialized configs read through it like the other block configs
+    from moe_overlap.experts import tuning
+
+    monkeypatch.setenv("MOE_OVERLAP_L0_WS_CONFIG", "256,64,3,4,184")
+    with tuning._env(MOE_OVERLAP_L0_WS_CONFIG="256,64,3,16,184", MOE_OVERLAP_WS_SPLIT="1"):
+        cfg = fused.layer0_ws_config()
+        assert cfg["GM"] == 16 and cfg["SPLIT"] is True
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(fused.layer0_ws_config()))
+        t.start()
+        t.join()
+        assert seen[0]["GM"] == 4 and "SPLIT" not in seen[0], "another thread keeps os.environ"
+    assert fused.layer0_ws_config()["GM"] == 4
 
 
 def test_ws_kernels_are_not_taken_off_hopper(monkeypatch):

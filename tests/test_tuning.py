@@ -21,6 +21,60 @@ def test_tune_returns_a_joint_config_with_one_block_m():
     assert cfg["l0b"]["BM"] == cfg["l0"]["BM"] and cfg["ms"]["backward_dispatch"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_candidates_are_timed_in_turn_each_under_its_own_config(monkeypatch, device):
+    """All candidates share every round, call by call (so all see one GPU clock), each call
+    under its own config; one that raises is left out; none left is an error. ``"cuda"`` runs
+    the GPU's counts on the CPU (CUDA events swapped for the host clock)."""
+    from moe_overlap.bench import harness
+
+    log = []
+    if device == "cuda":
+        dev = torch.device("cuda")
+        monkeypatch.setattr(harness, "_sync", lambda d: None)
+        monkeypatch.setattr(harness.torch.cuda, "Event", _HostEvent)
+    else:
+        dev = torch.device("cpu")
+    world = type("W", (), {"world_size": 1, "device": dev})()
+
+    def cand(name, fail=False):
+        def fn():
+            log.append((name, tuning.getenv("MOE_OVERLAP_L0_CONFIG")))
+            if fail:
+                raise RuntimeError("out of resources")
+
+        return fn, {"MOE_OVERLAP_L0_CONFIG": name}
+
+    t = tuning._time_candidates({"a": cand("a"), "b": cand("b"), "c": cand("c", True)}, world)
+    assert set(t) == {"a", "b"} and all(v >= 0 for v in t.values())
+    assert all(name == cfg for name, cfg in log), "each call under its own config"
+    order = "".join(n for n, _ in log)
+    if device == "cpu":
+        assert order == "abc"
+    else:
+        # 5 rounds, the order rotating (a b c, b c a, c a b, ...); 2 warm-up calls (rounds 0
+        # and 1) and 10 timed ones (2 a round) each; c raises on its first call, in round 0
+        want = "abc" + "abab" + "ba" + "baba" + "abab" + "abab" + "baba"
+        assert order == want, order
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        tuning._time_candidates({"c": cand("c", True)}, world)
+
+
+class _HostEvent:
+    """Stands in for ``torch.cuda.Event`` where a test runs the GPU path on the CPU."""
+
+    def __init__(self, **kw):
+        self.t = None
+
+    def record(self):
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) * 1e3
+
+
 def test_tune_times_the_triton_kernels_and_restores_the_environment(monkeypatch):
     # The candidates are Triton blocks: the warp-specialized Gluon kernels, which would take
     # layer 0's GEMMs at one rank on Hopper whatever the candidate, are off while tune() times.

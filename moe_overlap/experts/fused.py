@@ -1141,7 +1141,7 @@ def _dw_slot(layout: Layout, world: World, b2, dy, F: int):
 
 def _ws_config(env: str) -> dict:
     cfg = dict(BM=128, BN=256, BK=64, STAGES=3, GM=8, EPI_REGS=184, MAXNREG=168)
-    v = os.environ.get(env)
+    v = tuning.getenv(env)
     if v:
         try:
             parts = [int(q) for q in v.split(",")]
@@ -1155,12 +1155,12 @@ def _ws_config(env: str) -> dict:
                 " in [24, 256]"
             )
         cfg.update(BN=parts[0], BK=parts[1], STAGES=parts[2], GM=parts[3], EPI_REGS=parts[4])
-    carry = os.environ.get("MOE_OVERLAP_WS_CARRY")
+    carry = tuning.getenv("MOE_OVERLAP_WS_CARRY")
     if carry:
         if carry not in ("0", "1"):
             raise ValueError(f"MOE_OVERLAP_WS_CARRY must be 0 or 1, got {carry!r}")
         cfg["CARRY"] = carry == "1"
-    split = os.environ.get("MOE_OVERLAP_WS_SPLIT")
+    split = tuning.getenv("MOE_OVERLAP_WS_SPLIT")
     if split:
         if split not in ("0", "1"):
             raise ValueError(f"MOE_OVERLAP_WS_SPLIT must be 0 or 1, got {split!r}")

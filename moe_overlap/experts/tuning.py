@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
 import threading
 
 import torch
@@ -138,21 +139,39 @@ def tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
         return _tune(op, shape, dtype, world)
 
 
-def _timed_fixed(fn, warmup: int, rep: int) -> float:
-    """Median ms of ``rep`` calls after ``warmup`` (CUDA events), fixed counts."""
-    for _ in range(warmup):
-        fn()
-    ev = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(rep)
-    ]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    ms = sorted(a.elapsed_time(b) for a, b in ev)
-    return ms[len(ms) // 2]
+class _Candidate:
+    """One config's call for :func:`_time_candidates`: ``fn()`` under this thread's ``env``."""
+
+    def __init__(self, name, fn, env):
+        self.name, self.fn, self.env = name, fn, env
+
+    def step(self, i):
+        with _env(**self.env):
+            return self.fn()
+
+
+def _time_candidates(cands: dict, world) -> dict:
+    """``{key: median ms}`` of ``{key: (fn, env)}``, timed together: call by call in turn
+    (``measure_interleaved(..., interleave="call")``), over rotating rounds, so that all of them
+    see one clock. Timed one after another (``do_bench`` each, as before 2026-12-07), the first
+    candidates ran at the card's top clock and the later ones nearer its power limit: at
+    mixtral-8x22b on an H100 (2026-12-06) the first of six layer-0 candidates took 17.8 ms and
+    the third, which differs from it only in ``GROUP_M``, 19.9, a gap of the size the power
+    limit makes (the SM clock falls from 1.98 GHz to 1.1-1.6 within a second of such GEMMs;
+    BENCHMARKS.md, "2026-12-07, later"). A candidate that raises (out of resources) is left
+    out; none left is an error."""
+    from ..bench.harness import measure_interleaved
+
+    dev = world.device
+    cases = [_Candidate(k, fn, env) for k, (fn, env) in cands.items()]
+    if dev.type == "cuda":
+        warm, rep, rounds = ("n", 2), ("n", 10), 5
+    else:  # the interpreter: prove the plumbing in one call each
+        warm, rep, rounds = ("n", 0), ("n", 1), 1
+    timings, failures = measure_interleaved(cases, dev, world, warm, rep, rounds, "call")
+    if not timings:
+        raise RuntimeError(f"tune: every candidate failed: {failures}")
+    return {k: statistics.median(t["ms"]) for k, t in timings.items()}
 
 
 def _agree(world, times: dict) -> dict:
@@ -180,34 +199,20 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
     w1 = (torch.randn(El, 2 * F, H, generator=g) * 0.02).to(dev, dtype)
     w2 = (torch.randn(El, H, F, generator=g) * 0.02).to(dev, dtype)
 
-    def timed(fn):
-        if dev.type == "cuda" and world.world_size > 1:
-            # The ops are collective: every rank must call them equally often, and do_bench
-            # sizes its loops from each rank's own first runs.
-            return _timed_fixed(fn, warmup=3, rep=10)
-        if dev.type == "cuda":
-            import triton.testing
-
-            return triton.testing.do_bench(fn, warmup=5, rep=20, return_mode="median")
-        import time
-
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
     # Each layer is timed on its own (a layer's time does not depend on the other's blocks), so
     # the sweep compiles len(L0) + len(L1) kernels rather than every pair; the pair is then chosen
     # among those sharing BLOCK_M (the layout pads experts to it).
     l0, l1 = list(L0_CANDIDATES), list(L1_CANDIDATES)
     if dev.type != "cuda":
         l0, l1 = l0[:1], l1[:1]  # the interpreter ignores block shapes' speed; prove the plumbing
-    t0s, t1s = {}, {}
+    c0s = {}
     for c0 in l0:
-        with _env(
-            **({"MOE_OVERLAP_L0_CONFIG": ",".join(map(str, c0))} if dev.type == "cuda" else {})
-        ):
+        env = {"MOE_OVERLAP_L0_CONFIG": ",".join(map(str, c0))} if dev.type == "cuda" else {}
+        with _env(**env):
             layout = fused.dispatch_layout(ids, E, world)
-            t0s[c0] = timed(lambda layout=layout: fused.layer0(x, layout, w1, world))
+        c0s[c0] = (lambda layout=layout: fused.layer0(x, layout, w1, world), env)
+    t0s = _time_candidates(c0s, world)
+    c1s = {}
     for c1 in l1:
         # layer 0 at c1's BLOCK_M with its default blocks makes layer 1's input and layout
         c0 = next((c for c in l0 if c[0] == c1[0]), None)
@@ -222,7 +227,8 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
         with _env(**env):
             layout = fused.dispatch_layout(ids, E, world)
             h = fused.layer0(x, layout, w1, world)
-            t1s[c1] = timed(lambda layout=layout, h=h: fused.layer1(h, layout, wts, w2, world))
+        c1s[c1] = (lambda layout=layout, h=h: fused.layer1(h, layout, wts, w2, world), env)
+    t1s = _time_candidates(c1s, world)
     # One choice on every rank (they build one layout with its BLOCK_M): each candidate's
     # slowest rank decides.
     t0s, t1s = _agree(world, t0s), _agree(world, t1s)
@@ -253,7 +259,6 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
         env = {}
         if dev.type == "cuda":
             env = {"MOE_OVERLAP_L0_CONFIG": ",".join(map(str, c0))}
-        tbs = {}
         with _env(**env):
             layout = fused.dispatch_layout(ids, E, world)
             ws = fused._workspace(world, layout, H, dtype)
@@ -264,24 +269,27 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             a_rows = None
             if world.world_size == 1:
                 a_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
+
+            def bwd():
+                return fused._bwd_dispatch(
+                    dy,
+                    layout,
+                    w2,
+                    world,
+                    wflat,
+                    row_scale,
+                    ws,
+                    gu,
+                    "swiglu",
+                    a_rows,
+                    dw_slot=fused._dw_slot(layout, world, None, dy, w2.shape[2]),
+                )
+
+            cbs = {}
             for cb in lb:
                 benv = {"MOE_OVERLAP_L0B_CONFIG": ",".join(map(str, cb))}
-                with _env(**(benv if dev.type == "cuda" else {})):
-                    tbs[cb] = timed(
-                        lambda: fused._bwd_dispatch(
-                            dy,
-                            layout,
-                            w2,
-                            world,
-                            wflat,
-                            row_scale,
-                            ws,
-                            gu,
-                            "swiglu",
-                            a_rows,
-                            dw_slot=fused._dw_slot(layout, world, None, dy, w2.shape[2]),
-                        )
-                    )
+                cbs[cb] = (bwd, {**env, **benv} if dev.type == "cuda" else {})
+            tbs = _time_candidates(cbs, world)
         tbs = _agree(world, tbs)
         if tbs:
             cb = min(tbs, key=tbs.get)

@@ -13,7 +13,6 @@ runs. Per case: median ms (CUDA events), TFLOP/s, joules per call, mean watts, m
 """
 
 import ctypes
-import os
 import statistics
 import sys
 import threading
@@ -25,6 +24,7 @@ from moe_overlap import init_world
 from moe_overlap.bench import baselines as B
 from moe_overlap.bench import harness
 from moe_overlap.bench.presets import get_moe_shape
+from moe_overlap.experts.tuning import _env
 
 
 class _NVML:
@@ -94,7 +94,7 @@ def main(preset, op, variants, seconds=1.2, rounds=4):
     sampler.start()
     est = {}
     for name, c, env in cases:  # compile and estimate each variant
-        with harness_env(env):
+        with _env(**env):
             for i in range(3):
                 c.step(i)
             torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def main(preset, op, variants, seconds=1.2, rounds=4):
     for r in range(rounds):
         k = r % len(cases)
         for name, c, env in cases[k:] + cases[:k]:
-            with harness_env(env):
+            with _env(**env):
                 c.step(calls)  # the variant's kernel is already compiled; one call to settle
                 n = max(5, int(seconds / est[name]))
                 ms, j, w, mhz = _block(c, nvml, sampler, n, calls)
@@ -148,23 +148,6 @@ def main(preset, op, variants, seconds=1.2, rounds=4):
             f"{j / gj:6.3f}x {statistics.fmean(res[name]['w']):6.1f} "
             f"{statistics.fmean(res[name]['mhz']):6.0f}"
         )
-
-
-class harness_env:  # noqa: N801 - a context manager used like a function
-    def __init__(self, env):
-        self.env, self.old = env, {}
-
-    def __enter__(self):
-        for k, v in self.env.items():
-            self.old[k] = os.environ.get(k)
-            os.environ[k] = v
-
-    def __exit__(self, *a):
-        for k, v in self.old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 if __name__ == "__main__":
