@@ -957,22 +957,26 @@ def test_torchrun_results_merge_every_rank(tmp_path):
     _run_child([str(script)], "MERGE-OK", {})
 
 
+class _LoggedCase:
+    """A timing case that records its calls (its own, and its name into a shared ``log``) and
+    raises once it has been called more than ``fail_at`` times."""
+
+    def __init__(self, name, log, fail_at=None):
+        self.name, self.log, self.fail_at, self.calls = name, log, fail_at, []
+
+    def step(self, i):
+        self.calls.append(i)
+        self.log.append(self.name)
+        if self.fail_at is not None and len(self.calls) > self.fail_at:
+            raise RuntimeError("boom")
+
+
 def test_measure_interleaved_rotates_splits_and_drops_failures():
     """Rounds give every case its share of the calls, the order rotating; the counts add up
     to the requested ones; input sets keep rotating; a case that raises is dropped."""
     log = []
 
-    class FakeCase:
-        def __init__(self, name, fail_at=None):
-            self.name, self.fail_at, self.calls = name, fail_at, []
-
-        def step(self, i):
-            self.calls.append(i)
-            log.append(self.name)
-            if self.fail_at is not None and len(self.calls) > self.fail_at:
-                raise RuntimeError("boom")
-
-    cases = [FakeCase("a"), FakeCase("b"), FakeCase("c", fail_at=4)]
+    cases = [_LoggedCase("a", log), _LoggedCase("b", log), _LoggedCase("c", log, fail_at=4)]
     world = type("W", (), {"world_size": 1})()  # one rank: no collectives are called
     timings, failures = Hn.measure_interleaved(
         cases, torch.device("cpu"), world, ("n", 3), ("n", 7), rounds=3
@@ -988,7 +992,7 @@ def test_measure_interleaved_rotates_splits_and_drops_failures():
             firsts.append(name)
     assert firsts == ["a", "b", "c", "b", "c", "a", "b"], firsts
     # One timed call asked for: one round has it, the others skip the case.
-    one = FakeCase("one")
+    one = _LoggedCase("one", [])
     t, f = Hn.measure_interleaved([one], torch.device("cpu"), world, ("n", 0), ("n", 1), 5)
     assert not f and len(t["one"]["ms"]) == 1 and one.calls == [0]
 
@@ -999,18 +1003,8 @@ def test_measure_interleaved_call_mode_takes_the_cases_in_turn():
     that raises is dropped and the others keep their calls."""
     log = []
 
-    class FakeCase:
-        def __init__(self, name, fail_at=None):
-            self.name, self.fail_at, self.calls = name, fail_at, []
-
-        def step(self, i):
-            self.calls.append(i)
-            log.append(self.name)
-            if self.fail_at is not None and len(self.calls) > self.fail_at:
-                raise RuntimeError("boom")
-
     world = type("W", (), {"world_size": 1})()
-    a, b = FakeCase("a"), FakeCase("b")
+    a, b = _LoggedCase("a", log), _LoggedCase("b", log)
     t, f = Hn.measure_interleaved(
         [a, b], torch.device("cpu"), world, ("n", 2), ("n", 6), rounds=2, interleave="call"
     )
@@ -1019,7 +1013,7 @@ def test_measure_interleaved_call_mode_takes_the_cases_in_turn():
     # round 0: 1 warm-up and 3 timed calls each, a first; round 1 the same, b first
     assert "".join(log) == "ab" + "ababab" + "ba" + "bababa", "".join(log)
     log.clear()
-    a, b, c = FakeCase("a"), FakeCase("b"), FakeCase("c", fail_at=2)
+    a, b, c = _LoggedCase("a", log), _LoggedCase("b", log), _LoggedCase("c", log, fail_at=2)
     t, f = Hn.measure_interleaved(
         [a, b, c], torch.device("cpu"), world, ("n", 0), ("n", 6), rounds=2, interleave="call"
     )
@@ -1059,36 +1053,6 @@ def test_cli_call_interleave_end_to_end(tmp_path):
     assert set(names) == {"grouped_mm", "unfused", "fused"}
     assert all(c["status"] == "ok" and c["n"] == 1 for c in names.values()), names
     assert names["fused"]["check"] == "ok"
-
-
-def test_call_mode_drops_the_whole_round_on_a_lazily_raised_timeout():
-    """Call-interleaved, a timed-out wait surfaces only after the round: every case of that
-    round is dropped, each with the error and a note that it could be any of them."""
-
-    class World:
-        world_size, pending = 1, False
-
-        def check(self):
-            if self.pending:
-                self.pending = False
-                raise RuntimeError("CommTimeoutError: rank 0 ...")
-
-    world = World()
-
-    class Case:
-        def __init__(self, name, times_out=False):
-            self.name, self.times_out = name, times_out
-
-        def step(self, i):
-            if self.times_out and i == 2:
-                world.pending = True
-
-    cases = [Case("a", times_out=True), Case("b")]
-    t, f = Hn.measure_interleaved(
-        cases, torch.device("cpu"), world, ("n", 0), ("n", 4), 1, interleave="call"
-    )
-    assert not t and set(f) == {"a", "b"}
-    assert all("CommTimeoutError" in v and "any of its cases" in v for v in f.values()), f
 
 
 @pytest.mark.parametrize("interleave", ["block", "call"])
@@ -1195,9 +1159,12 @@ def test_a_case_built_on_one_rank_only_is_dropped_on_every_rank(monkeypatch):
     assert all(set(r["timings"]) == {"grouped_mm"} for r in res)
 
 
-def test_a_lazily_raised_timeout_drops_the_case_that_timed_out():
+@pytest.mark.parametrize("interleave", ["block", "call"])
+def test_a_lazily_raised_timeout_drops_the_case_that_timed_out(interleave):
     """Fused ops raise a timed-out wait at the next op: checked after each block of calls, the
-    case whose kernels gave up is dropped, not the next case on the world."""
+    case whose kernels gave up is dropped, not the next case on the world. Call-interleaved,
+    it surfaces only after the round: every case of that round is dropped, each with the
+    error and a note that it could be any of them."""
 
     class World:
         world_size, pending = 1, False
@@ -1218,5 +1185,11 @@ def test_a_lazily_raised_timeout_drops_the_case_that_timed_out():
                 world.pending = True  # recorded on the device, raised later
 
     cases = [Case("a", times_out=True), Case("b")]
-    t, f = Hn.measure_interleaved(cases, torch.device("cpu"), world, ("n", 0), ("n", 4), 1)
-    assert set(f) == {"a"} and set(t) == {"b"}, (f, t)
+    t, f = Hn.measure_interleaved(
+        cases, torch.device("cpu"), world, ("n", 0), ("n", 4), 1, interleave
+    )
+    if interleave == "block":
+        assert set(f) == {"a"} and set(t) == {"b"}, (f, t)
+    else:
+        assert not t and set(f) == {"a", "b"}
+        assert all("CommTimeoutError" in v and "any of its cases" in v for v in f.values()), f
