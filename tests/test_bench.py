@@ -1080,16 +1080,20 @@ def test_a_case_failing_on_one_rank_is_dropped_on_every_rank(when, interleave):
 
     def fn(world):
         cases = [FakeCase("a", world), FakeCase("b", world, call), FakeCase("c", world)]
-        return Hn.measure_interleaved(
+        t, f = Hn.measure_interleaved(
             cases, torch.device("cpu"), world, warm, ("n", 6), 3, interleave
         )
+        return t, f, cases[1].n
 
     res = spawn(2, fn, timeout=60)
-    for rank, (timings, failures) in enumerate(res):
+    for rank, (timings, failures, _) in enumerate(res):
         assert set(timings) == {"a", "c"} and set(failures) == {"b"}, (rank, failures)
         assert len(timings["a"]["ms"]) == len(timings["c"]["ms"]) == 6
     assert res[1][1]["b"] == "RuntimeError: out of memory on rank 1"
     assert res[0][1]["b"] == "failed on rank 1"
+    # rank 0 learns of the failure before its next timed call of b (a collective would wait
+    # for rank 1 there), and only the calls of b already under way finish
+    assert res[0][2] == {"estimate": 2, "warm-up": 4, "timed": 6}[when], res[0][2]
 
 
 def test_json_holds_no_infinity_or_nan(tmp_path):

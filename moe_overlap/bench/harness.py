@@ -585,8 +585,10 @@ def measure_interleaved(
 
 def _call_round(order, plan, calls, timings, failures, device, world, r, rounds) -> None:
     """One round of :func:`measure_interleaved` with ``interleave="call"``: warm-up and timed
-    calls case by case in turn. A case that raises is dropped (on every rank alike: each rank
-    agrees after the warm-up and after the timed calls, as the block mode does per case)."""
+    calls case by case in turn. A case that raises is dropped on every rank alike: the ranks
+    agree on each case after the warm-up (so none starts timed calls of a collective case that
+    another rank gave up) and after the timed calls, as the block mode does per case."""
+    note = " (raised after a call-interleaved round: any of its cases)"
     share = {}
     for c in order:
         if c.name in failures:
@@ -616,7 +618,11 @@ def _call_round(order, plan, calls, timings, failures, device, world, r, rounds)
         _sync(device)
         _check(world)
     except Exception as e:  # noqa: BLE001 - which case broke is not known: all of them
-        errs.update({c.name: f"{type(e).__name__}: {e}" for c in live if c.name not in errs})
+        errs.update({c.name: f"{type(e).__name__}: {e}{note}" for c in live if c.name not in errs})
+    for c in live:  # one collective per case, on every rank, whatever failed where
+        err, _ = _agree(world, errs.get(c.name))
+        if err is not None:
+            errs[c.name] = err
     got = {c.name: [] for c in live}
     for j in range(max(n for _, n in share.values()) if share else 0):
         for c in live:
@@ -638,8 +644,7 @@ def _call_round(order, plan, calls, timings, failures, device, world, r, rounds)
     except Exception as e:  # noqa: BLE001
         # A wait that timed out is raised here, after the whole round: which case's kernels
         # gave up is not known, so the round's cases are dropped together.
-        why = f"{type(e).__name__}: {e} (raised after a call-interleaved round: any of its cases)"
-        errs.update({c.name: why for c in live if c.name not in errs})
+        errs.update({c.name: f"{type(e).__name__}: {e}{note}" for c in live if c.name not in errs})
     for c in live:  # one collective per case, on every rank, whatever failed where
         err, _ = _agree(world, errs.get(c.name))
         if err is not None:
