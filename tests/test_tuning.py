@@ -58,6 +58,7 @@ def test_candidates_are_timed_in_turn_each_under_its_own_config(monkeypatch, dev
         assert order == want, order
     with pytest.raises(RuntimeError, match="every candidate failed"):
         tuning._time_candidates({"c": cand("c", True)}, world)
+    assert tuning._time_candidates({}, world) == {}  # e.g. no backward candidate at a BLOCK_M
 
 
 class _HostEvent:

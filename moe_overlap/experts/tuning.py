@@ -159,8 +159,11 @@ def _time_candidates(cands: dict, world) -> dict:
     the third, which differs from it only in ``GROUP_M``, 19.9, a gap of the size the power
     limit makes (the SM clock falls from 1.98 GHz to 1.1-1.6 within a second of such GEMMs;
     BENCHMARKS.md, "2026-12-07, later"). A candidate that raises (out of resources) is left
-    out; none left is an error."""
+    out; none left is an error (no candidates at all: ``{}``, as the callers expect)."""
     from ..bench.harness import measure_interleaved
+
+    if not cands:
+        return {}
 
     dev = world.device
     cases = [_Candidate(k, fn, env) for k, (fn, env) in cands.items()]
@@ -288,7 +291,7 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             cbs = {}
             for cb in lb:
                 benv = {"MOE_OVERLAP_L0B_CONFIG": ",".join(map(str, cb))}
-                cbs[cb] = (bwd, {**env, **benv} if dev.type == "cuda" else {})
+                cbs[cb] = (bwd, {**env, **benv} if dev.type == "cuda" else env)
             tbs = _time_candidates(cbs, world)
         tbs = _agree(world, tbs)
         if tbs:
