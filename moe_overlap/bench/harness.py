@@ -610,19 +610,25 @@ def _call_round(order, plan, calls, timings, failures, device, world, r, rounds)
         except Exception as e:  # noqa: BLE001 - a broken case must not stop the others
             errs[c.name] = f"{type(e).__name__}: {e}"
 
+    def settle(into: dict) -> None:
+        # A wait that timed out is raised here, after all the calls: which case's kernels gave
+        # up is not known, so every case not yet failed takes the error.
+        try:
+            _sync(device)
+            _check(world)
+        except Exception as e:  # noqa: BLE001
+            msg = f"{type(e).__name__}: {e}{note}"
+            errs.update({c.name: msg for c in live if c.name not in errs})
+        for c in live:  # one collective per case, on every rank, whatever failed where
+            err, _ = _agree(world, errs.get(c.name))
+            if err is not None:
+                into[c.name] = err
+
     for j in range(max((w for w, _ in share.values()), default=0)):
         for c in live:
             if j < share[c.name][0] and c.name not in errs:
                 one(c)
-    try:
-        _sync(device)
-        _check(world)
-    except Exception as e:  # noqa: BLE001 - which case broke is not known: all of them
-        errs.update({c.name: f"{type(e).__name__}: {e}{note}" for c in live if c.name not in errs})
-    for c in live:  # one collective per case, on every rank, whatever failed where
-        err, _ = _agree(world, errs.get(c.name))
-        if err is not None:
-            errs[c.name] = err
+    settle(errs)
     got = {c.name: [] for c in live}
     for j in range(max(n for _, n in share.values()) if share else 0):
         for c in live:
@@ -638,17 +644,9 @@ def _call_round(order, plan, calls, timings, failures, device, world, r, rounds)
                     t = time.perf_counter()
                     one(c)
                     got[c.name].append((time.perf_counter() - t) * 1e3)
-    try:
-        _sync(device)
-        _check(world)
-    except Exception as e:  # noqa: BLE001
-        # A wait that timed out is raised here, after the whole round: which case's kernels
-        # gave up is not known, so the round's cases are dropped together.
-        errs.update({c.name: f"{type(e).__name__}: {e}{note}" for c in live if c.name not in errs})
-    for c in live:  # one collective per case, on every rank, whatever failed where
-        err, _ = _agree(world, errs.get(c.name))
-        if err is not None:
-            failures[c.name] = err
+    settle(failures)
+    for c in live:
+        if c.name in failures:
             continue
         vals = got[c.name]
         if device.type == "cuda":

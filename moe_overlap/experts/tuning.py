@@ -273,20 +273,11 @@ def _tune(op: str, shape: dict, dtype: torch.dtype, world) -> dict:
             if world.world_size == 1:
                 a_rows = fused._gather_rows(layout, dy, ws.recv, row_scale=row_scale)
 
+            dw_slot = fused._dw_slot(layout, world, None, dy, w2.shape[2])
+            args = (dy, layout, w2, world, wflat, row_scale, ws, gu, "swiglu", a_rows)
+
             def bwd():
-                return fused._bwd_dispatch(
-                    dy,
-                    layout,
-                    w2,
-                    world,
-                    wflat,
-                    row_scale,
-                    ws,
-                    gu,
-                    "swiglu",
-                    a_rows,
-                    dw_slot=fused._dw_slot(layout, world, None, dy, w2.shape[2]),
-                )
+                return fused._bwd_dispatch(*args, dw_slot=dw_slot)
 
             cbs = {}
             for cb in lb:
