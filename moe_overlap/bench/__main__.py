@@ -202,6 +202,8 @@ def _device(args):
             raise SystemExit(f"error: --device {args.device!r}: {e}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise SystemExit(f"error: --device {args.device} but this torch sees no CUDA GPU")
+        if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device refuses "cuda"
+            dev = torch.device("cuda", torch.cuda.current_device())
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -952,6 +952,8 @@ def device_rates(device, dtype, n: int = 8192, copy_bytes: int = 1 << 30) -> dic
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if device.index is None:  # "cuda": the current device (set_device refuses a bare "cuda")
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
 
     def median_ms(fn):

@@ -32,11 +32,12 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # worker (57 of its tests never started, H100 2026-12-05); spread per test they took 124 s.
   xd=""; n=${PYTEST_WORKERS:-4}
   [ "$n" != 0 ] && python3 -c "import xdist" 2>/dev/null && xd="-n $n --dist ${PYTEST_DIST:-load}"
-  # Tests named "concurrent" (emulated ranks on streams of one process, spinning on each other)
-  # run in a serial pass after the xdist one: with worker processes time-slicing the GPU, a
-  # rank's wait budget runs out while its peer's context is switched out (four-rank TP tests
-  # timed out so under -n 4 on 2026-12-05, and passed run alone). PYTEST_SERIAL_K= (empty)
-  # runs everything in one pass.
+  # Tests named or marked "concurrent" (emulated ranks on streams of one process, spinning on
+  # each other; -k matches marker names too) run in a serial pass after the xdist one: with
+  # worker processes time-slicing the GPU, a rank's wait budget runs out while its peer's
+  # context is switched out (four-rank TP tests timed out so under -n 4 on 2026-12-05, and a
+  # two-rank hybrid block under -n 8 on 2026-12-07, all passed run alone). PYTEST_SERIAL_K=
+  # (empty) runs everything in one pass.
   sk=${PYTEST_SERIAL_K-concurrent}
   k1=(); k2=()
   if [ -n "$xd" ] && [ -n "$sk" ]; then k1=(-k "not ($sk)"); k2=(-k "$sk"); fi

@@ -29,6 +29,7 @@ def test_cli_reports_floors(tmp_path, capsys, op):
     j = tmp_path / "r.json"
     args = [op, "--tokens", "4096", "--hidden", "2048", "--ffn", "1024", "--experts", "16"]
     args += ["--topk", "4", "--rep", "5", "--warmup", "2", "--rounds", "1", "--json", str(j)]
+    args += ["--device", "cuda"]  # no index: the current device (set_device refuses "cuda")
     assert main(args) == 0
     out = capsys.readouterr().out
     run = json.loads(j.read_text())["runs"][0]

@@ -240,7 +240,11 @@ BACKWARD = [
 ]
 
 
-@pytest.mark.parametrize("spec", BACKWARD, ids=lambda s: f"W{s[0]}-{s[6]}-{s[8]}")
+@pytest.mark.parametrize(
+    "spec",
+    [pytest.param(s, marks=pytest.mark.concurrent) if s[0] > 1 else s for s in BACKWARD],
+    ids=lambda s: f"W{s[0]}-{s[6]}-{s[8]}",
+)
 def test_forward_backward(spec):
     prob = make_problem(*spec)
     W = prob["W"]
@@ -754,6 +758,7 @@ def test_concurrent_delayed_rank_backward():
 
 
 # ------------------------------------------------------------------------------ put transport
+@pytest.mark.concurrent
 @pytest.mark.parametrize("W,per_node", [(2, 1), (4, 2)])
 def test_put_transport_equals_store_transport(W, per_node):
     """Emulated ranks on virtual nodes: rows to other nodes take the put path (compiled, with the

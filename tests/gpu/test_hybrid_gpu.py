@@ -98,9 +98,9 @@ def _bf16_torch(x, weights, topks, loss_fn):
     "W,S,B,delayed",
     [
         (1, 48, 3, None),
-        (2, 64, 2, 0),
-        (2, 64, 2, 1),
-        (4, 128, 1, 2),
+        pytest.param(2, 64, 2, 0, marks=pytest.mark.concurrent),
+        pytest.param(2, 64, 2, 1, marks=pytest.mark.concurrent),
+        pytest.param(4, 128, 1, 2, marks=pytest.mark.concurrent),
     ],
 )
 def test_block_bf16_matches_reference(W, S, B, delayed):
@@ -244,7 +244,7 @@ def _tcfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.concurrent)])
 def test_recipe_tp_bf16_agrees_with_default_mode(world_size):
     """Same model, same data: only bf16 rounding separates --tp from the default mode."""
     a = train(SMALL, _tcfg(steps=3, world_size=world_size, dtype="bf16"))
@@ -253,6 +253,7 @@ def test_recipe_tp_bf16_agrees_with_default_mode(world_size):
         assert abs(x - y) <= 2e-2 * abs(y), (b.losses, a.losses)
 
 
+@pytest.mark.concurrent
 def test_recipe_tp_bf16_loss_falls_w2():
     res = train(SMALL, _tcfg(world_size=2, dtype="bf16", tp=True))
     assert len(res.losses) == 8

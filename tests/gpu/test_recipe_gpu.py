@@ -42,7 +42,7 @@ def _tcfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.concurrent)])
 def test_bf16_loss_finite_and_falling(world_size):
     res = train(SMALL, _tcfg(world_size=world_size, dtype="bf16"))
     assert len(res.losses) == 8
@@ -51,6 +51,7 @@ def test_bf16_loss_finite_and_falling(world_size):
     assert abs(res.ce_losses[0] - math.log(SMALL.vocab_size)) < 0.2
 
 
+@pytest.mark.concurrent
 def test_bf16_world_sizes_agree_loosely():
     """bf16 W=1 and W=2 run the same model and data: only rounding separates them."""
     a = train(SMALL, _tcfg(steps=3, world_size=1, dtype="bf16"))

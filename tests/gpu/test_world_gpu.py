@@ -323,6 +323,7 @@ def _late_peer(world, lazy: bool):
     return out.cpu(), err, where
 
 
+@pytest.mark.concurrent
 @pytest.mark.parametrize("lazy", [False, True], ids=["check", "next-op"])
 def test_toy_with_a_peer_that_is_too_late(lazy):
     shape, n_tiles = (40, 70), 3 * 3
