@@ -13,6 +13,7 @@ import traceback
 
 import torch
 
+from .world import resolve_device
 from .world.emulated import EmulatedWorld, _Group, prefer_eager_module_loading
 
 # Relative tolerances against a float64 reference (||out - ref|| / ||ref|| and elementwise).
@@ -48,8 +49,7 @@ def spawn(
     device = torch.device(device)
     if device.type == "cuda" and mode == "concurrent" and world_size > 1:
         prefer_eager_module_loading()  # before CUDA starts: see world/emulated.py
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     if mode == "concurrent" and device.type != "cuda":
         raise ValueError("the concurrent mode needs a CUDA device")
     group = _Group(world_size, device, mode, timeout)

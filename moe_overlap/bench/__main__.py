@@ -202,9 +202,9 @@ def _device(args):
             raise SystemExit(f"error: --device {args.device!r}: {e}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise SystemExit(f"error: --device {args.device} but this torch sees no CUDA GPU")
-        if dev.type == "cuda" and dev.index is None:  # torch.cuda.set_device refuses "cuda"
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return dev
+        from ..world import resolve_device
+
+        return resolve_device(dev)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..world import resolve_device
 from . import baselines as B
 from .baselines import Case, Unavailable
 from .presets import DenseShape, MoEShape
@@ -952,8 +953,7 @@ def device_rates(device, dtype, n: int = 8192, copy_bytes: int = 1 << 30) -> dic
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    if device.index is None:  # "cuda": the current device (set_device refuses a bare "cuda")
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     torch.cuda.set_device(device)
 
     def median_ms(fn):

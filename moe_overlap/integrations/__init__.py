@@ -31,11 +31,9 @@ _WORLDS_LOCK = threading.Lock()
 def local_world_for(device: torch.device):
     """One shared single-rank world per device (every integrated layer on it shares its
     workspace, as the World protocol intends)."""
-    from ..world import local_world
+    from ..world import local_world, resolve_device
 
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     with _WORLDS_LOCK:
         world = _WORLDS.get(device)
         if world is None:

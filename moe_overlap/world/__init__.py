@@ -62,15 +62,22 @@ def get_world(name: str) -> World:
         raise KeyError(f"no world registered under {name!r}") from None
 
 
+def resolve_device(device) -> torch.device:
+    """``device`` as a ``torch.device``, a bare ``"cuda"`` made the current CUDA device
+    (``torch.cuda.set_device`` and per-device caches need the index)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def local_world(device=None, seed: int = 0) -> World:
     """A single-rank world on ``device`` (default: the current CUDA device, else the CPU)."""
     from .emulated import _Group
 
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     return EmulatedWorld(_Group(1, device, "sequential", timeout=600.0), 0, seed=seed)
 
 
