@@ -997,6 +997,25 @@ def test_measure_interleaved_rotates_splits_and_drops_failures():
     assert not f and len(t["one"]["ms"]) == 1 and one.calls == [0]
 
 
+def test_duration_counts_have_a_floor_per_device(monkeypatch):
+    """A duration gives as many calls as fit, within [floor, 1000]; the floor is 20 timed
+    calls on a GPU (medians of 10 power-capped 50 ms calls were 7% apart) and 5 on the CPU;
+    an explicit count is taken as it is."""
+    assert Hn._counts(("ms", 100.0), ("ms", 500.0), 50.0) == (2, 10)
+    assert Hn._counts(("ms", 100.0), ("ms", 500.0), 50.0, min_rep=20) == (2, 20)
+    assert Hn._counts(("ms", 100.0), ("ms", 500.0), 1.0, min_rep=20) == (100, 500)
+    assert Hn._counts(("ms", 1e6), ("ms", 1e9), 1e-6) == (200, 1000)
+    assert Hn._counts(("n", 0), ("n", 3), 50.0, min_rep=20) == (0, 3)
+    assert Hn.MIN_TIMED_CALLS["cuda"] == 20 and "cpu" not in Hn.MIN_TIMED_CALLS
+    # On the CPU a duration still means at least 5 calls (with 5 rounds: one a round).
+    log = []
+    slow = _LoggedCase("slow", log)
+    world = type("W", (), {"world_size": 1})()
+    monkeypatch.setattr(Hn, "_estimate_ms", lambda step, device: 1e4)  # a call "takes" 10 s
+    t, f = Hn.measure_interleaved([slow], torch.device("cpu"), world, ("n", 0), ("ms", 1.0), 5)
+    assert not f and len(t["slow"]["ms"]) == 5
+
+
 def test_measure_interleaved_call_mode_takes_the_cases_in_turn():
     """``interleave="call"``: each round's warm-up and timed calls go case by case in turn (a b
     a b ...), the order rotating between rounds; counts and input sets as in block mode; a case

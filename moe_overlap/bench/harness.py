@@ -12,8 +12,8 @@ Flow of one run (:func:`run`), the same on every rank:
 3. Time the cases interleaved (``--rounds``, default 5: each round warms and times every case
    for its share of the calls, the order rotating), per-call CUDA events (host clock on the
    CPU), median of all calls. ``--warmup``/``--rep`` take counts (``20``) or milliseconds
-   (``100ms``: counts derived from a two-call estimate, at least 5 timed calls) per case, split
-   over the rounds. All ranks run the same counts.
+   (``100ms``: counts derived from a two-call estimate, at least 20 timed calls on a GPU, 5 on
+   the CPU) per case, split over the rounds. All ranks run the same counts.
 4. Metrics: TFLOP/s from the counted FLOPs (:func:`flops_layer0` ...), each candidate's speedup
    over each baseline (``t_baseline / t_candidate``), and with several ranks the effective
    communication time (``candidate - best non-split GEMM``) and, where the communication alone
@@ -438,14 +438,21 @@ def _check(world) -> None:
         check()
 
 
-def _counts(warm, rep, est_ms) -> tuple[int, int]:
+# Fewest timed calls a duration (``--rep 500ms``) gives a case on a GPU. Ten calls of a 50 ms
+# step were too few under the power cap: on an H100 (2026-12-07) three candidates running the
+# same kernels came out 7% apart at mixtral-8x7b fwd+bwd with 10 calls each, and within 2% of
+# each other in three runs of 30 calls. On the CPU (interpreter) timings mean nothing: 5.
+MIN_TIMED_CALLS = {"cuda": 20}
+
+
+def _counts(warm, rep, est_ms, min_rep: int = 5) -> tuple[int, int]:
     def n_of(spec, lo, hi):
         kind, v = spec
         if kind == "n":
             return int(v)
         return int(min(hi, max(lo, math.ceil(v / max(est_ms, 1e-3)))))
 
-    return n_of(warm, 1, 200), max(1, n_of(rep, 5, 1000))
+    return n_of(warm, 1, 200), max(1, n_of(rep, min_rep, 1000))
 
 
 def _estimate_ms(step, device) -> float:
@@ -534,7 +541,9 @@ def measure_interleaved(
         if err is not None:
             failures[c.name] = err
             continue
-        plan[c.name] = _counts(warm, rep, max(v[0] for v in ests) / 1000)
+        plan[c.name] = _counts(
+            warm, rep, max(v[0] for v in ests) / 1000, MIN_TIMED_CALLS.get(device.type, 5)
+        )
     live = [c for c in cases if c.name in plan]
     timings = {c.name: {"ms": [], "events": []} for c in live}
     calls = dict.fromkeys(plan, 0)  # input sets keep rotating across rounds
