@@ -356,6 +356,9 @@ def test_ready_slots_survive_pad_growth_on_gpu():
         before = world.signal_pad(1).local[:READY_SLOTS].cpu()
         world.signal_pad(4 * small)
         after = world.signal_pad(1).local[:READY_SLOTS].cpu()
+        # The next op's handshake writes epoch 2 into the peers' slots: a rank that reached it
+        # first changed a slower peer's "after" (seen as [2, 1, 2], H100 2026-12-07).
+        world.barrier()
         out = push_allreduce(make_input(world.rank, 5, (17, 33)).cuda(), world)
         return before, after, out.cpu()
 
