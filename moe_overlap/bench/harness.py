@@ -440,12 +440,14 @@ def _check(world) -> None:
 
 # Fewest timed calls a duration (``--rep 500ms``) gives a case on a GPU. Ten calls of a 50 ms
 # step were too few under the power cap: on an H100 (2026-12-07) three candidates running the
-# same kernels came out 7% apart at mixtral-8x7b fwd+bwd with 10 calls each, and within 2% of
-# each other in three runs of 30 calls. On the CPU (interpreter) timings mean nothing: 5.
+# same kernels came out 7% apart at mixtral-8x7b fwd+bwd with 10 calls each, the order of the
+# three reversed in three runs of 30 calls (at most 5% apart). Elsewhere (the CPU interpreter,
+# where timings mean nothing) _MIN_TIMED_CALLS_ELSEWHERE.
 MIN_TIMED_CALLS = {"cuda": 20}
+_MIN_TIMED_CALLS_ELSEWHERE = 5
 
 
-def _counts(warm, rep, est_ms, min_rep: int = 5) -> tuple[int, int]:
+def _counts(warm, rep, est_ms, min_rep: int = _MIN_TIMED_CALLS_ELSEWHERE) -> tuple[int, int]:
     def n_of(spec, lo, hi):
         kind, v = spec
         if kind == "n":
@@ -542,7 +544,10 @@ def measure_interleaved(
             failures[c.name] = err
             continue
         plan[c.name] = _counts(
-            warm, rep, max(v[0] for v in ests) / 1000, MIN_TIMED_CALLS.get(device.type, 5)
+            warm,
+            rep,
+            max(v[0] for v in ests) / 1000,
+            MIN_TIMED_CALLS.get(device.type, _MIN_TIMED_CALLS_ELSEWHERE),
         )
     live = [c for c in cases if c.name in plan]
     timings = {c.name: {"ms": [], "events": []} for c in live}
