@@ -20,8 +20,9 @@ What each baseline is (all eager, no ``torch.compile``):
   weighted ``index_add_``; with ``world.all_to_all`` of the rows (and one host sync for the
   split sizes, as TorchTitan's all_to_all_single needs) when the world has several ranks.
 * ``loop``: the HF-Mixtral-style per-expert loop (for ``moe`` it also finds each expert's rows
-  with ``torch.where`` inside the timed region, one host sync per expert as HF does; the
-  ``layer0``/``layer1`` versions take the group bounds from the host, precomputed).
+  with ``torch.where`` inside the timed region, one host sync per expert as HF does, and one
+  weight pair per expert as HF's ``ModuleList`` has, so its backward writes each weight
+  gradient once; the ``layer0``/``layer1`` versions take the group bounds from the host).
 * ``mo_baseline``: this library's own plain path, ``moe_overlap.dispatch.baseline``.
 * ``deepspeed``: ``deepspeed.moe.layer.MoE`` (eval mode, dropless, no noisy gate) when
   deepspeed imports; several ranks under torchrun (one process each), one rank with or without.
@@ -961,10 +962,15 @@ def _moe_loop(p: MoEProblem, world) -> Case:
     def fwd(x, wr, w1, w2, j):
         ids, w = torch_route(x, wr, K, s.score_func)
         y = torch.zeros_like(x)
+        # One weight pair per expert, as HF's ModuleList has. Indexing the stacked leaf instead
+        # (w1[e]) costs a backward that writes a zero tensor the size of *all* experts' w1 and
+        # adds it into the gradient, once per expert hit: 14 GiB each, 256 times, at
+        # deepseek-v3, which ran the 80 GB card out of memory. unbind's backward stacks once.
+        w1_e, w2_e = w1.unbind(0), w2.unbind(0)
         hit = torch.bincount(ids.reshape(-1), minlength=E).nonzero().reshape(-1).tolist()
         for e in hit:  # HF style: find the rows of each expert hit (host syncs, as HF)
             tok, kk = torch.where(ids == e)
-            h = activation_fn(x[tok] @ w1[e].t(), s.activation) @ w2[e].t()
+            h = activation_fn(x[tok] @ w1_e[e].t(), s.activation) @ w2_e[e].t()
             y = y.index_add(0, tok, h * w[tok, kk].to(h.dtype).unsqueeze(1))
         return y
 
