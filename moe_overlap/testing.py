@@ -207,3 +207,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def ops_writing(fn, shapes) -> dict:
+    """Run ``fn()`` and return ``{shape: [aten op, ...]}``: every op whose output has one of
+    ``shapes``, in call order. Catches a backward that writes a whole weight-sized tensor per
+    expert (what ``w[e]`` on a stacked leaf costs in autograd) where one write should do."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen = {tuple(s): [] for s in shapes}
+
+    class _Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and tuple(t.shape) in seen:
+                    seen[tuple(t.shape)].append(str(func))
+            return out
+
+    with _Writes():
+        fn()
+    return seen

@@ -225,3 +225,35 @@ def test_baseline_bad_ids_on_one_rank_every_rank_raises():
 
     msgs = spawn(W, fn)
     assert all(m is not None and "rank(s) [1]" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_linear_loop_backward_writes_each_gradient_once(bias):
+    """The per-group loop (CPU, GPUs without grouped_mm) must write the stacked weight's and
+    bias's gradients once, not once per group (``w[g]``'s backward is a whole-stack write), and
+    still get them right, empty groups included."""
+    from moe_overlap.dispatch.baseline import grouped_linear
+    from moe_overlap.testing import ops_writing
+
+    g = torch.Generator().manual_seed(5)
+    counts = [3, 0, 4, 1, 0, 2]
+    G, O, K = len(counts), 5, 7
+    x = randn((sum(counts), K), f64, generator=g).requires_grad_(True)
+    w = randn((G, O, K), f64, generator=g).requires_grad_(True)
+    b = randn((G, O), f64, generator=g).requires_grad_(True) if bias else None
+    gid = torch.repeat_interleave(torch.arange(G), torch.tensor(counts))
+    gy = randn((sum(counts), O), f64, generator=g)
+    leaves = [x, w] + ([b] if bias else [])
+    got = []
+
+    def step():
+        y = grouped_linear(x, w, counts, b, gid)
+        got.extend(torch.autograd.grad(y, leaves, gy))
+
+    writes = ops_writing(step, [w.shape] + ([b.shape] if bias else []))
+    for shape, ops in writes.items():
+        assert len(ops) == 1, f"{len(ops)} tensors of shape {shape} written: {ops}"
+    want_y = torch.einsum("nk,nok->no", x, w[gid]) + (b[gid] if bias else 0)
+    want = torch.autograd.grad(want_y, leaves, gy)
+    for a, e in zip(got, want):
+        assert_close(a, e)

@@ -439,28 +439,16 @@ def test_loop_baseline_backward_writes_each_weight_gradient_once():
     """The per-expert loop's backward must not write one all-experts-sized tensor per expert
     (what indexing the stacked leaf, ``w1[e]``, costs: 14 GiB each, 256 times, at deepseek-v3),
     or it measures PyTorch's select backward instead of the loop HF runs."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_leaves
-
+    from moe_overlap.testing import ops_writing
     from moe_overlap.world import local_world
 
     p = B.make_moe_problem(SHAPE, 1, 0, torch.float32, "cpu", n_sets=1, backward=True)
     assert len(set(p.sets[0].topk_ids_TK.reshape(-1).tolist())) >= 3  # several experts hit
-    sizes = {tuple(p.w1.shape): [], tuple(p.w2.shape): []}
-
-    class Writes(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor) and tuple(t.shape) in sizes:
-                    sizes[tuple(t.shape)].append(str(func))
-            return out
-
     case = B.build_baseline("moe", "loop", p, local_world("cpu"))
-    with Writes():
-        got = case.step(0)
+    got = []
+    writes = ops_writing(lambda: got.extend(case.step(0)), [p.w1.shape, p.w2.shape])
     assert got[3].shape == p.w1.shape and got[4].shape == p.w2.shape
-    for shape, ops in sizes.items():
+    for shape, ops in writes.items():
         assert len(ops) == 1, f"{len(ops)} tensors of shape {shape} written: {ops}"
 
 

@@ -121,13 +121,17 @@ def grouped_linear(
             if b_GO is not None:
                 out = out + b_GO[group_ids]
             return out
+    # unbind, not w_GOK[g]: each indexed slice's backward writes a zero tensor the size of the
+    # whole stack and adds it into the gradient (G times); unbind's backward stacks once.
+    w_g = w_GOK.unbind(0)
+    b_g = None if b_GO is None else b_GO.unbind(0)
     outs = []
     start = 0
     for g in range(G):
         rows = x_NK[start : start + counts[g]]
-        o = rows @ w_GOK[g].t()
-        if b_GO is not None:
-            o = o + b_GO[g]
+        o = rows @ w_g[g].t()
+        if b_g is not None:
+            o = o + b_g[g]
         outs.append(o)
         start += counts[g]
     return torch.cat(outs) if outs else x_NK.new_zeros((0, w_GOK.shape[1]))
