@@ -211,8 +211,9 @@ def free_port() -> int:
 
 def ops_writing(fn, shapes) -> dict:
     """Run ``fn()`` and return ``{shape: [aten op, ...]}``: every op whose output has one of
-    ``shapes``, in call order. Catches a backward that writes a whole weight-sized tensor per
-    expert (what ``w[e]`` on a stacked leaf costs in autograd) where one write should do."""
+    ``shapes``, in call order (views left out: they write nothing). Catches a backward that
+    writes a whole weight-sized tensor per expert (what ``w[e]`` on a stacked leaf costs in
+    autograd) where one write should do."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -221,6 +222,8 @@ def ops_writing(fn, shapes) -> dict:
     class _Writes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if func.is_view:
+                return out
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and tuple(t.shape) in seen:
                     seen[tuple(t.shape)].append(str(func))

@@ -542,6 +542,27 @@ def test_grouped_mm_fallback_matches_loop():
     assert B.grouped_mm_mode("cpu", None, torch.float32, False) in ("native", "padded", "loop")
 
 
+def test_grouped_mm_fallback_backward_writes_the_weight_gradient_once():
+    from moe_overlap.testing import ops_writing
+
+    a = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 5, 8, dtype=torch.float64, requires_grad=True)  # [E, N, K], as w1
+    offs = torch.tensor([4, 4, 13], dtype=torch.int32)
+    gy = torch.randn(13, 5, dtype=torch.float64)
+    got = []
+
+    def step():
+        y = B.grouped_mm(a, w.transpose(1, 2), offs, "loop")
+        got.extend(torch.autograd.grad(y, [a, w], gy))
+
+    # the loop sees w transposed: a per-expert write may come in either layout
+    writes = ops_writing(step, [w.shape, w.transpose(1, 2).shape])
+    assert sum(len(ops) for ops in writes.values()) == 1, writes
+    y = torch.cat([a[:4] @ w[0].t(), a[4:13] @ w[2].t()])
+    for g, r in zip(got, torch.autograd.grad(y, [a, w], gy)):
+        assert torch.allclose(g, r, atol=1e-12)
+
+
 # ------------------------------------------------------------------------------- the CLI
 def test_cli_layer0_json_png_md(tmp_path, capsys):
     j, png, md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"

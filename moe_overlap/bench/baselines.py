@@ -255,8 +255,9 @@ def activation_fn(h: torch.Tensor, activation: str) -> torch.Tensor:
 def _loop_mm(a_MK, b_EKN, offs):
     ends = [int(v) for v in offs.tolist()]
     outs, start = [], 0
+    b_e = b_EKN.unbind(0)  # not b_EKN[e]: see dispatch.baseline.grouped_linear
     for e, end in enumerate(ends):
-        outs.append(a_MK[start:end] @ b_EKN[e])
+        outs.append(a_MK[start:end] @ b_e[e])
         start = end
     if start < a_MK.shape[0]:  # rows past the last group (padding capacity): zeros
         outs.append(a_MK.new_zeros((a_MK.shape[0] - start, b_EKN.shape[-1])))
