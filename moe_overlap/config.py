@@ -16,6 +16,12 @@ Choices this module fixes for the whole package:
   it so that a value such as ``6 / 4 * 2.0`` rounds the same way everywhere.
 * **Group-limited routing** (``n_group``/``topk_group``) needs both set or neither, and the kept
   groups must hold at least ``top_k`` experts.
+* **Load-balance scores** (``aux_loss_scores``). ``"raw"`` (the default) averages each
+  expert's softmax probability or raw sigmoid score. ``"normalized"`` first divides each
+  token's scores by their sum over all experts (+1e-20), which is DeepSeek-V3's ``s'``. Raw
+  sigmoid scores need not sum to 1, so with them the loss also falls when all of a token's
+  logits fall together, a direction that changes no routing. Normalized scores do not have
+  it. For softmax the two agree up to rounding.
 """
 
 from __future__ import annotations
@@ -25,8 +31,16 @@ from dataclasses import dataclass
 
 ACTIVATIONS = ("swiglu", "gelu", "relu", "silu")
 SCORE_FUNCS = ("softmax", "sigmoid")
+AUX_LOSS_SCORES = ("raw", "normalized")
 
-__all__ = ["ACTIVATIONS", "SCORE_FUNCS", "MoEConfig", "expert_capacity", "w1_rows"]
+__all__ = [
+    "ACTIVATIONS",
+    "AUX_LOSS_SCORES",
+    "SCORE_FUNCS",
+    "MoEConfig",
+    "expert_capacity",
+    "w1_rows",
+]
 
 
 def _is_int(v) -> bool:
@@ -116,6 +130,7 @@ class MoEConfig:
     n_shared_experts: int = 0
     shared_expert_ffn_size: int | None = None
     max_tokens_per_rank: int | None = None
+    aux_loss_scores: str = "raw"
 
     def __post_init__(self):
         _check_int("hidden_size", self.hidden_size, 1)
@@ -128,6 +143,10 @@ class MoEConfig:
             raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {self.score_func!r}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.aux_loss_scores not in AUX_LOSS_SCORES:
+            raise ValueError(
+                f"aux_loss_scores must be one of {AUX_LOSS_SCORES}, got {self.aux_loss_scores!r}"
+            )
         _check_bool("norm_topk_prob", self.norm_topk_prob)
         _check_bool("router_bias", self.router_bias)
         _check_real("capacity_factor", self.capacity_factor, positive=True, allow_none=True)

@@ -72,7 +72,7 @@ from torch import nn
 
 from . import reference
 from .config import MoEConfig
-from .dispatch.router import router_logits
+from .dispatch.router import balance_scores, router_logits
 from .experts.layer import MoELayer
 from .tp.linear import ColumnParallelLinear, RowParallelLinear
 from .world import World
@@ -275,7 +275,8 @@ def _router_loss_share(x_TH, weight_EH, counts_E, cfg: MoEConfig, n_tokens: int)
     if cfg.aux_loss_coef != 0.0:
         scores = logits.softmax(-1) if cfg.score_func == "softmax" else logits.sigmoid()
         f = counts_E.to(cd) / max(n_tokens * K, 1)
-        P = scores.sum(0) / max(n_tokens, 1)  # this rank's tokens' part of the global mean
+        # this rank's tokens' part of the global mean
+        P = balance_scores(scores, cfg).sum(0) / max(n_tokens, 1)
         loss = loss + cfg.aux_loss_coef * (E * (f * P).sum())
     if cfg.z_loss_coef != 0.0:
         z = torch.logsumexp(logits, dim=-1).square().sum() / max(n_tokens, 1)
@@ -574,7 +575,7 @@ def _reference_moe_forced(a_TH, router_w, w1, w2, cfg: MoEConfig, bias, topk_ids
         )
     counts = torch.bincount(ids.reshape(-1).cpu(), minlength=cfg.num_experts).to(a_TH.device)
     f = counts.to(r.scores.dtype) / max(T * K, 1)
-    lb = cfg.num_experts * (f * r.scores.sum(0) / max(T, 1)).sum()
+    lb = cfg.num_experts * (f * reference.balance_scores(r.scores, cfg).sum(0) / max(T, 1)).sum()
     aux = cfg.aux_loss_coef * lb + cfg.z_loss_coef * r.z_loss
     route = r._replace(topk_ids=ids, topk_weights=w, aux_loss=lb, counts=counts)
     return y, aux, route

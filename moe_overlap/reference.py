@@ -27,8 +27,10 @@ Routing semantics (``route``), the contract of the whole package:
    Dropped assignments get id -1 and weight 0; kept weights are not renormalized.
 9. Load balance ``aux = E * sum_e f_e * P_e``: ``f_e`` = share of the ``T*K`` assignments
    (before capacity drops) on e (no gradient), ``P_e`` = mean over tokens of the softmax
-   probability / raw sigmoid score of e. ``z = mean_t logsumexp(logits_t)^2``. Both are
-   unscaled here and exactly 0 (no NaN, still differentiable) when T = 0.
+   probability / raw sigmoid score of e; with ``aux_loss_scores="normalized"``, of that
+   score divided by the sum of the token's scores over all E experts (+1e-20).
+   ``z = mean_t logsumexp(logits_t)^2``. Both are unscaled here and exactly 0 (no NaN, still
+   differentiable) when T = 0.
 
 Expert math: ``swiglu`` uses ``w1 [2F, H]`` with the gate rows first,
 ``silu(x Wg^T + bg) * (x Wu^T + bu)``; the others are ``act(x W1^T + b1)`` with ``gelu`` the exact
@@ -47,6 +49,7 @@ from .config import ACTIVATIONS, MoEConfig, expert_capacity
 __all__ = [
     "RouteResult",
     "route",
+    "balance_scores",
     "expert_mlp",
     "experts",
     "shared_experts",
@@ -87,6 +90,13 @@ def _select_one(sel: list[float], cfg: MoEConfig, cd: torch.dtype) -> list[int]:
         candidates = [e for g in kept for e in range(g * size, (g + 1) * size)]
     ranked = sorted(candidates, key=lambda e: (-sel[e], e))
     return ranked[:K]
+
+
+def balance_scores(scores_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """The per-token scores whose mean over tokens is the load-balance ``P_e`` (rule 9)."""
+    if cfg.aux_loss_scores == "raw":
+        return scores_TE
+    return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
 
 
 def route(
@@ -130,7 +140,7 @@ def route(
     for e in ids.reshape(-1).tolist():
         all_counts[e] += 1
     f = all_counts.to(cd).to(x_TH.device) / max(T * K, 1)
-    P = scores.sum(dim=0) / max(T, 1)
+    P = balance_scores(scores, cfg).sum(dim=0) / max(T, 1)
     aux = E * (f * P).sum()
     z = torch.logsumexp(logits, dim=-1).square().sum() / max(T, 1)
 

@@ -49,12 +49,15 @@ def _cfg(variant: str) -> MoEConfig:
             hidden_size=24, ffn_hidden_size=FF, num_experts=6, top_k=3, aux_loss_coef=0.05
         )
     if variant == "bias_groups":
-        # Selection-only correction bias (loaded from the full weights) + group-limited routing.
+        # Selection-only correction bias (loaded from the full weights) + group-limited routing,
+        # DeepSeek-V3's scores: sigmoid, the load-balance loss over normalized scores.
         return MoEConfig(
             hidden_size=H,
             ffn_hidden_size=FF,
             num_experts=E,
             top_k=2,
+            score_func="sigmoid",
+            aux_loss_scores="normalized",
             router_bias=True,
             n_group=2,
             topk_group=1,

@@ -54,6 +54,8 @@ def _route_logits(logits, cfg, bias=None):
         (dict(n_shared_experts=-1), ValueError),
         (dict(shared_expert_ffn_size=8), ValueError),  # without shared experts
         (dict(max_tokens_per_rank=0), ValueError),
+        (dict(aux_loss_scores="sum"), ValueError),
+        (dict(aux_loss_scores=None), ValueError),
     ],
 )
 def test_config_rejects(kw, err):
@@ -150,6 +152,54 @@ def test_route_sigmoid_bias_selection_only(norm):
     f = torch.tensor([0.5, 0.0, 0.5, 0.0], dtype=f64)
     sig = torch.sigmoid(torch.tensor([2.0, 1.0, 0.0, -1.0], dtype=f64))
     assert_close(r.aux_loss, 4 * (f * sig).sum(), rtol=1e-12, atol=1e-12)
+
+
+def test_route_normalized_balance_scores():
+    # DeepSeek-V3's s': each token's sigmoid scores over their sum, then the usual E * sum f P.
+    logits = [[2.0, 1.0, 0.0, -1.0], [-0.5, 0.5, 3.0, 1.5], [0.0, -2.0, 1.0, 2.5]]
+    cfg = _cfg(score_func="sigmoid", aux_loss_scores="normalized")
+    r = _route_logits(logits, cfg)
+    s = torch.sigmoid(torch.tensor(logits, dtype=f64))
+    f = torch.tensor([1.0, 1.0, 2.0, 2.0], dtype=f64) / 6  # ids [0, 1], [2, 3], [3, 2]
+    assert r.topk_ids.tolist() == [[0, 1], [2, 3], [3, 2]]
+    P = (s / s.sum(dim=1, keepdim=True)).mean(dim=0)
+    assert_close(r.aux_loss, 4 * (f * P).sum(), rtol=1e-12, atol=1e-12)
+    raw = _route_logits(logits, _cfg(score_func="sigmoid"))
+    assert not torch.allclose(raw.aux_loss, r.aux_loss)
+    # softmax scores already sum to 1: the same loss up to rounding
+    a = _route_logits(logits, _cfg(aux_loss_scores="normalized")).aux_loss
+    assert_close(a, _route_logits(logits, _cfg()).aux_loss, rtol=1e-14, atol=1e-14)
+
+
+@pytest.mark.parametrize("scores", ["raw", "normalized"])
+def test_route_balanced_loss_is_one_only_with_normalized_sigmoid(scores):
+    # Token t prefers expert t, so every expert gets exactly one of the four choices (f = 1/E).
+    # Then E * sum_e f_e P_e = sum_e P_e, which is 1 for any logits when each token's scores
+    # sum to 1. With raw sigmoid scores it falls with the logits: the direction the raw form
+    # lets the gradient take without changing any routing.
+    base = torch.full((4, 4), -1.0, dtype=f64) + 3 * torch.eye(4, dtype=f64)
+    cfg = _cfg(top_k=1, score_func="sigmoid", aux_loss_scores=scores)
+    losses = []
+    for shift in (0.0, -2.0, -6.0):
+        r = _route_logits((base + shift).tolist(), cfg)
+        assert r.topk_ids.reshape(-1).tolist() == [0, 1, 2, 3]
+        losses.append(r.aux_loss.item())
+    if scores == "normalized":
+        assert losses == pytest.approx([1.0] * 3, rel=1e-12, abs=1e-12)
+    else:
+        assert losses[0] > losses[1] > losses[2] and losses[2] < 0.05
+
+
+def test_route_normalized_balance_scores_underflow_stays_finite():
+    # fp32 sigmoid of -120 is exactly 0: a token whose scores all underflow must give 0, not NaN.
+    cfg = _cfg(score_func="sigmoid", aux_loss_scores="normalized")
+    w = torch.eye(4, dtype=torch.float32).requires_grad_()
+    x = torch.full((2, 4), -120.0)
+    r = ref.route(x, w, cfg)
+    assert r.scores.max().item() == 0.0
+    assert torch.isfinite(r.aux_loss) and r.aux_loss.item() == 0.0
+    r.aux_loss.backward()
+    assert torch.isfinite(w.grad).all()
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])

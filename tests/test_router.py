@@ -22,6 +22,7 @@ VARIANTS = {
     "groups_bias_cap": dict(n_group=2, topk_group=1, router_bias=True, capacity_factor=1.0),
     "cap_tight_scaled": dict(capacity_factor=0.5, routed_scaling_factor=1.7),
     "cap_loose_nonorm": dict(capacity_factor=1.25, norm_topk_prob=False),
+    "normalized_lb_bias": dict(aux_loss_scores="normalized", router_bias=True),
 }
 
 
@@ -68,7 +69,8 @@ def test_router_matches_reference(variant, score_func, T):
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize(
-    "variant", ["plain", "nonorm_scaled", "groups_bias_cap", "cap_tight_scaled"]
+    "variant",
+    ["plain", "nonorm_scaled", "groups_bias_cap", "cap_tight_scaled", "normalized_lb_bias"],
 )
 @pytest.mark.parametrize("K", [1, 2, 4])
 def test_router_gradients(variant, score_func, K):

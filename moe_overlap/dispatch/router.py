@@ -215,6 +215,14 @@ def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
         return x_TH.to(cd) @ w_EH.to(cd).t()
 
 
+def balance_scores(scores_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
+    """Scores averaged into the load-balance ``P_e``: raw, or over each token's sum
+    (``cfg.aux_loss_scores``, see ``moe_overlap.config``)."""
+    if cfg.aux_loss_scores == "normalized":
+        return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
+    return scores_TE
+
+
 def _stable_topk_desc(v: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest along the last dim, ties to the lower index."""
     return torch.sort(v, dim=-1, descending=True, stable=True).indices[..., :k]
@@ -360,7 +368,7 @@ class Router(nn.Module):
             f = all_counts.to(cd) / max(T * K, 1)
             if scores is None:
                 scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
-            P = scores.sum(dim=0) / max(T, 1)
+            P = balance_scores(scores, cfg).sum(dim=0) / max(T, 1)
             aux = cfg.aux_loss_coef * (E * (f * P).sum())
         if cfg.z_loss_coef != 0.0:
             z = torch.logsumexp(logits, dim=-1).square().sum() / max(T, 1)
