@@ -20,8 +20,9 @@ Choices this module fixes for the whole package:
   expert's softmax probability or raw sigmoid score. ``"normalized"`` first divides each
   token's scores by their sum over all experts (+1e-20), which is DeepSeek-V3's ``s'``. Raw
   sigmoid scores need not sum to 1, so with them the loss also falls when all of a token's
-  logits fall together, a direction that changes no routing. Normalized scores do not have
-  it. For softmax the two agree up to rounding.
+  logits fall together, a direction that changes no routing. Normalized scores sum to 1 for
+  each token, so the loss moves only when score moves between experts. For softmax the two
+  agree up to rounding.
 """
 
 from __future__ import annotations
