@@ -2,8 +2,9 @@
 backward (router weight through the top-k weights and the aux / z losses), on emulated EP worlds.
 
 Cases are chosen pairwise over the router options (softmax / sigmoid, renormalization,
-group-limited routing, correction bias, capacity, scaling), shared experts, activations, world
-sizes (odd ones too) and token counts (a rank with no tokens, all tokens on one expert)."""
+group-limited routing, correction bias, capacity, scaling, normalized load-balance scores),
+shared experts, activations, world sizes (odd ones too) and token counts (a rank with no
+tokens, all tokens on one expert)."""
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ CASES = [
             router_bias=True,
             score_func="sigmoid",
             routed_scaling_factor=2.5,
+            aux_loss_coef=0.05,
+            aux_loss_scores="normalized",
         ),
         False,
     ),
