@@ -217,7 +217,9 @@ def router_logits(x_TH: torch.Tensor, w_EH: torch.Tensor) -> torch.Tensor:
 
 def balance_scores(scores_TE: torch.Tensor, cfg: MoEConfig) -> torch.Tensor:
     """Scores averaged into the load-balance ``P_e``: raw, or over each token's sum
-    (``cfg.aux_loss_scores``, see ``moe_overlap.config``)."""
+    (``cfg.aux_loss_scores``, see ``moe_overlap.config``). ``reference.balance_scores`` is the
+    tests' copy of this rule, kept apart on purpose (the reference shares no code with the fast
+    paths)."""
     if cfg.aux_loss_scores == "normalized":
         return scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + 1e-20)
     return scores_TE
